@@ -1,0 +1,1 @@
+"""pg2iceberg-dagster replication engine."""

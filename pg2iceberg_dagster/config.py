@@ -1,0 +1,303 @@
+"""Pipeline configuration: one YAML file, validated, with secrets taken from the environment.
+
+Secrets are never written in the file: a connection names the environment variable that holds its
+password (``password_env``), and S3 credentials come from ``*_env`` fields or the AWS default chain.
+Validation errors name the offending field, e.g. ``tables.1.name: expected 'schema.table'``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from psycopg.conninfo import make_conninfo
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+_IDENT = r'[A-Za-z_][A-Za-z0-9_$]*|"[^"]+"'
+_QUALIFIED_NAME = re.compile(rf"^({_IDENT})\.({_IDENT})$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _secret_from_env(variable: str | None, what: str) -> str | None:
+    if variable is None:
+        return None
+    value = os.environ.get(variable)
+    if value is None:
+        raise ConfigError(f"{what}: environment variable {variable} is not set")
+    return value
+
+
+class PostgresConnection(_Strict):
+    """How to reach one PostgreSQL database. The password comes from ``password_env``."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(5432, ge=1, le=65535)
+    dbname: str
+    user: str = "postgres"
+    password_env: str | None = None
+    sslmode: str | None = None
+    connect_timeout: int = Field(10, ge=1)
+    application_name: str = "pg2iceberg-dagster"
+
+    def conninfo(self, **overrides: Any) -> str:
+        """libpq connection string, password resolved from the environment now."""
+        params: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "dbname": self.dbname,
+            "user": self.user,
+            "connect_timeout": self.connect_timeout,
+            "application_name": self.application_name,
+        }
+        password = _secret_from_env(self.password_env, "password_env")
+        if password is not None:
+            params["password"] = password
+        if self.sslmode:
+            params["sslmode"] = self.sslmode
+        params.update(overrides)
+        return make_conninfo(**params)
+
+    def describe(self) -> str:
+        """A secret-free description for logs and errors."""
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
+
+
+class TableConfig(_Strict):
+    """One source table. ``primary_key`` overrides the declared key (for tables without one)."""
+
+    name: str
+    primary_key: list[str] | None = None
+    iceberg_name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _qualified(cls, value: str) -> str:
+        if not _QUALIFIED_NAME.match(value):
+            raise ValueError(f"expected 'schema.table', got {value!r}")
+        return value
+
+    @field_validator("primary_key")
+    @classmethod
+    def _non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("primary_key must list at least one column")
+        return value
+
+    @property
+    def schema_name(self) -> str:
+        return _unquote(_QUALIFIED_NAME.match(self.name).group(1))  # type: ignore[union-attr]
+
+    @property
+    def table_name(self) -> str:
+        return _unquote(_QUALIFIED_NAME.match(self.name).group(2))  # type: ignore[union-attr]
+
+    @property
+    def key(self) -> str:
+        """Canonical unquoted ``schema.table`` used as the key in coordination tables."""
+        return f"{self.schema_name}.{self.table_name}"
+
+
+def _unquote(identifier: str) -> str:
+    return identifier[1:-1] if identifier.startswith('"') else identifier
+
+
+class ReplicationConfig(_Strict):
+    """Replication slot and publication."""
+
+    slot: str = Field("pg2iceberg_slot", pattern=r"^[a-z0-9_]{1,63}$")
+    publication: str = Field("pg2iceberg_pub", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    create_publication: bool = True
+    status_interval_seconds: float = Field(10.0, gt=0)
+
+
+class S3Config(_Strict):
+    """S3-compatible endpoint settings; credentials from the environment."""
+
+    endpoint: str | None = None
+    region: str = "us-east-1"
+    access_key_id_env: str | None = None
+    secret_access_key_env: str | None = None
+    path_style: bool = True
+
+    def credentials(self) -> tuple[str | None, str | None]:
+        """(access key id, secret key) from the named variables, or (None, None) for the default chain."""
+        return (
+            _secret_from_env(self.access_key_id_env, "s3.access_key_id_env"),
+            _secret_from_env(self.secret_access_key_env, "s3.secret_access_key_env"),
+        )
+
+
+class StagingConfig(_Strict):
+    """Where staged Parquet files live: ``file:///path`` or ``s3://bucket/prefix``."""
+
+    url: str = "file:///tmp/pg2iceberg/staging"
+    s3: S3Config = S3Config()
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if not value.startswith(("file://", "s3://")):
+            raise ValueError("must start with file:// or s3://")
+        return value.rstrip("/")
+
+
+class CatalogConfig(_Strict):
+    """The Iceberg catalog. ``sql`` keeps it in a Postgres database; ``rest`` and ``glue`` are remote."""
+
+    type: Literal["sql", "rest", "glue"] = "sql"
+    name: str = Field("pg2iceberg", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    postgres: PostgresConnection | None = None
+    uri: str | None = None
+    credential_env: str | None = None
+    properties: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _needs_uri(self) -> CatalogConfig:
+        if self.type == "rest" and not self.uri:
+            raise ValueError("a rest catalog needs uri")
+        return self
+
+
+class IcebergConfig(_Strict):
+    """Iceberg catalog, warehouse and how source schemas map to namespaces."""
+
+    catalog: CatalogConfig = CatalogConfig()
+    warehouse: str = "file:///tmp/pg2iceberg/warehouse"
+    namespace: str = "{schema}"
+    table_properties: dict[str, str] = {"format-version": "2"}
+
+    @field_validator("namespace")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        try:
+            value.format(schema="s")
+        except (KeyError, IndexError) as exc:
+            raise ValueError("may only use the placeholder {schema}") from exc
+        return value
+
+
+class SparkConfig(_Strict):
+    """Spark session: a master or a Spark Connect remote, jars or Maven packages, extra conf."""
+
+    master: str = "local[2]"
+    remote: str | None = None
+    app_name: str = "pg2iceberg-dagster"
+    jars: list[str] | None = None
+    packages: list[str] = []
+    conf: dict[str, str] = {}
+
+
+class SnapshotConfig(_Strict):
+    """CTID chunking of the initial snapshot."""
+
+    chunk_pages: int = Field(2048, ge=1)
+    parallelism: int = Field(3, ge=1, le=64)
+    fetch_rows: int = Field(50_000, ge=100)
+
+
+class FlushConfig(_Strict):
+    """When the flusher stages what it has buffered, and how much one transaction may hold in memory."""
+
+    max_rows: int = Field(50_000, ge=1)
+    max_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    interval_seconds: float = Field(5.0, gt=0)
+    txn_memory_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    spill_dir: str | None = None
+
+
+class MaterializeConfig(_Strict):
+    """Materializer batching and leases."""
+
+    group: str = "default"
+    max_batch_changes: int = Field(500_000, ge=1)
+    interval_seconds: float = Field(10.0, gt=0)
+
+
+class PipelineConfig(_Strict):
+    """The whole pipeline: source, tables, replication, state, staging, Iceberg, Spark."""
+
+    source: PostgresConnection
+    tables: list[TableConfig]
+    replication: ReplicationConfig = ReplicationConfig()
+    state: PostgresConnection | None = None
+    staging: StagingConfig = StagingConfig()
+    iceberg: IcebergConfig = IcebergConfig()
+    spark: SparkConfig = SparkConfig()
+    snapshot: SnapshotConfig = SnapshotConfig()
+    flush: FlushConfig = FlushConfig()
+    materialize: MaterializeConfig = MaterializeConfig()
+
+    @field_validator("tables")
+    @classmethod
+    def _unique_tables(cls, value: list[TableConfig]) -> list[TableConfig]:
+        if not value:
+            raise ValueError("list at least one table")
+        keys = [table.key for table in value]
+        duplicates = sorted({key for key in keys if keys.count(key) > 1})
+        if duplicates:
+            raise ValueError(f"listed more than once: {', '.join(duplicates)}")
+        return value
+
+    @property
+    def state_connection(self) -> PostgresConnection:
+        """Where the coordination tables live: ``state`` or else the source database."""
+        return self.state or self.source
+
+    @property
+    def catalog_connection(self) -> PostgresConnection:
+        """The Postgres database of the SQL catalog: ``iceberg.catalog.postgres`` or the source."""
+        return self.iceberg.catalog.postgres or self.source
+
+    def table(self, key: str) -> TableConfig:
+        """The configured table ``schema.table``."""
+        for table in self.tables:
+            if table.key == key:
+                return table
+        raise ConfigError(f"table {key} is not in the configuration")
+
+    def iceberg_identifier(self, table: TableConfig) -> tuple[str, str]:
+        """(namespace, name) of the Iceberg table mirroring ``table``."""
+        return self.iceberg.namespace.format(schema=table.schema_name), table.iceberg_name or table.table_name
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        lines.append(f"  {location}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> PipelineConfig:
+    """Validate a mapping into a PipelineConfig, raising ConfigError that names each bad field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {source}: expected a mapping at the top level")
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
+    """Read and validate the YAML file at ``path``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path} does not exist") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"configuration file {path} is not valid YAML: {exc}") from None
+    return parse_config(data, str(path))

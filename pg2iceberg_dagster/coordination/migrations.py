@@ -1,0 +1,108 @@
+"""Versioned migrations of the ``_pg2iceberg`` coordination schema.
+
+Each entry is applied once, in order, inside one transaction under an advisory lock, and recorded in
+``_pg2iceberg.schema_migrations``. Never edit an applied migration: append a new one.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+SCHEMA = "_pg2iceberg"
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE _pg2iceberg.pipeline_meta (
+            id boolean PRIMARY KEY DEFAULT true CHECK (id),
+            system_identifier text NOT NULL,
+            slot_name text NOT NULL,
+            publication text NOT NULL,
+            consistent_point pg_lsn,
+            slot_created_at timestamptz,
+            created_at timestamptz NOT NULL DEFAULT now()
+        );
+        CREATE TABLE _pg2iceberg.flushed_lsn (
+            id boolean PRIMARY KEY DEFAULT true CHECK (id),
+            lsn pg_lsn NOT NULL,
+            updated_at timestamptz NOT NULL DEFAULT now()
+        );
+        CREATE TABLE _pg2iceberg.tables (
+            table_name text PRIMARY KEY,
+            pg_oid oid NOT NULL,
+            iceberg_table text NOT NULL,
+            snapshot_complete boolean NOT NULL DEFAULT false,
+            snapshot_lsn pg_lsn,
+            snapshot_started_at timestamptz NOT NULL DEFAULT now(),
+            snapshot_completed_at timestamptz
+        );
+        CREATE TABLE _pg2iceberg.snapshot_progress (
+            table_name text NOT NULL REFERENCES _pg2iceberg.tables ON DELETE CASCADE,
+            chunk_index integer NOT NULL,
+            start_page bigint NOT NULL,
+            end_page bigint,
+            status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'done')),
+            read_mode text CHECK (read_mode IN ('exported_snapshot', 'repeatable_read')),
+            rows_written bigint,
+            iceberg_snapshot_id bigint,
+            completed_at timestamptz,
+            PRIMARY KEY (table_name, chunk_index)
+        );
+        CREATE TABLE _pg2iceberg.log_seq (
+            table_name text PRIMARY KEY,
+            next_offset bigint NOT NULL DEFAULT 0
+        );
+        CREATE TABLE _pg2iceberg.log_index (
+            table_name text NOT NULL,
+            start_offset bigint NOT NULL,
+            end_offset bigint NOT NULL,
+            path text NOT NULL,
+            first_lsn pg_lsn NOT NULL,
+            flushable_lsn pg_lsn NOT NULL,
+            row_count bigint NOT NULL,
+            byte_size bigint NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (table_name, start_offset),
+            CHECK (end_offset > start_offset)
+        );
+        CREATE TABLE _pg2iceberg.mat_cursor (
+            group_name text NOT NULL,
+            table_name text NOT NULL,
+            next_offset bigint NOT NULL DEFAULT 0,
+            last_lsn pg_lsn,
+            iceberg_snapshot_id bigint,
+            updated_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (group_name, table_name)
+        );
+        CREATE TABLE _pg2iceberg.consumer (
+            group_name text NOT NULL,
+            table_name text NOT NULL,
+            worker_id text NOT NULL,
+            acquired_at timestamptz NOT NULL DEFAULT now(),
+            heartbeat_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (group_name, table_name)
+        );
+        """,
+    ),
+]
+
+
+def migrate(conn: psycopg.Connection) -> list[int]:
+    """Apply pending migrations; returns the versions applied now."""
+    applied_now: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('_pg2iceberg.migrations'))")
+        conn.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+        conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {SCHEMA}.schema_migrations "
+            "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {version for (version,) in conn.execute(f"SELECT version FROM {SCHEMA}.schema_migrations")}
+        for version, statements in MIGRATIONS:
+            if version in done:
+                continue
+            conn.execute(statements)
+            conn.execute(f"INSERT INTO {SCHEMA}.schema_migrations (version) VALUES (%s)", (version,))
+            applied_now.append(version)
+    return applied_now

@@ -1,0 +1,331 @@
+"""Reads and writes of the coordination tables. Every multi-row change is one transaction."""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..config import PostgresConnection
+from ..errors import LeaseBusyError
+from ..source.connection import connect
+from ..source.lsn import format_lsn, parse_lsn
+from .migrations import migrate
+
+
+@dataclass(frozen=True)
+class PipelineMeta:
+    system_identifier: str
+    slot_name: str
+    publication: str
+    consistent_point: int | None
+
+
+@dataclass(frozen=True)
+class TableState:
+    table_name: str
+    pg_oid: int
+    iceberg_table: str
+    snapshot_complete: bool
+    snapshot_lsn: int | None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A CTID page range ``[start_page, end_page)``; ``end_page`` None means open-ended."""
+
+    table_name: str
+    index: int
+    start_page: int
+    end_page: int | None
+    done: bool = False
+
+    @property
+    def partition_key(self) -> str:
+        """A stable name like ``ctid_000000_002048`` (``..._end`` when open-ended)."""
+        end = f"{self.end_page:06d}" if self.end_page is not None else "end"
+        return f"ctid_{self.start_page:06d}_{end}"
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One staged Parquet file about to be registered for a table."""
+
+    table_name: str
+    path: str
+    row_count: int
+    byte_size: int
+    first_lsn: int
+    flushable_lsn: int
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    table_name: str
+    start_offset: int
+    end_offset: int
+    path: str
+    first_lsn: int
+    flushable_lsn: int
+    row_count: int
+    byte_size: int
+
+
+def _lsn(value: str | None) -> int | None:
+    return parse_lsn(value) if value is not None else None
+
+
+class CoordinationStore:
+    """The ``_pg2iceberg`` schema in the state database (the source database by default)."""
+
+    def __init__(self, target: PostgresConnection) -> None:
+        self.target = target
+        self.conn = connect(target)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> CoordinationStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def migrate(self) -> list[int]:
+        """Create or upgrade the schema."""
+        return migrate(self.conn)
+
+    # pipeline identity -------------------------------------------------------------------------
+
+    def pipeline_meta(self) -> PipelineMeta | None:
+        row = self.conn.execute(
+            "SELECT system_identifier, slot_name, publication, consistent_point::text FROM _pg2iceberg.pipeline_meta"
+        ).fetchone()
+        if row is None:
+            return None
+        return PipelineMeta(row[0], row[1], row[2], _lsn(row[3]))
+
+    def stamp_pipeline(self, system_identifier: str, slot: str, publication: str) -> None:
+        """Record the source cluster's identity the first time; later runs compare against it."""
+        self.conn.execute(
+            "INSERT INTO _pg2iceberg.pipeline_meta (system_identifier, slot_name, publication) "
+            "VALUES (%s, %s, %s) ON CONFLICT (id) DO NOTHING",
+            (system_identifier, slot, publication),
+        )
+
+    def record_slot_created(self, consistent_point: int) -> None:
+        """The slot now exists; from here on its absence is an error. Seeds ``flushed_lsn``."""
+        with self.conn.transaction():
+            self.conn.execute(
+                "UPDATE _pg2iceberg.pipeline_meta SET consistent_point = %s, slot_created_at = now()",
+                (format_lsn(consistent_point),),
+            )
+            self.conn.execute(
+                "INSERT INTO _pg2iceberg.flushed_lsn (lsn) VALUES (%s) "
+                "ON CONFLICT (id) DO UPDATE SET lsn = EXCLUDED.lsn, updated_at = now()",
+                (format_lsn(consistent_point),),
+            )
+
+    def flushed_lsn(self) -> int | None:
+        row = self.conn.execute("SELECT lsn::text FROM _pg2iceberg.flushed_lsn").fetchone()
+        return _lsn(row[0]) if row else None
+
+    def record_flushed_lsn(self, lsn: int) -> None:
+        """Advance the durable flushed LSN (never backwards); called before acking the slot."""
+        self.conn.execute(
+            "UPDATE _pg2iceberg.flushed_lsn SET lsn = greatest(lsn, %s::pg_lsn), updated_at = now()",
+            (format_lsn(lsn),),
+        )
+
+    # per-table snapshot state -------------------------------------------------------------------
+
+    def table_states(self) -> dict[str, TableState]:
+        return {
+            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]))
+            for row in self.conn.execute(
+                "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text "
+                "FROM _pg2iceberg.tables"
+            )
+        }
+
+    def table_state(self, table_name: str) -> TableState | None:
+        return self.table_states().get(table_name)
+
+    def start_table_snapshot(
+        self, table_name: str, pg_oid: int, iceberg_table: str, snapshot_lsn: int | None, chunks: Sequence[Chunk]
+    ) -> list[Chunk]:
+        """Register a table and its chunk plan once; returns the stored plan (the first one wins)."""
+        with self.conn.transaction():
+            self.conn.execute(
+                "INSERT INTO _pg2iceberg.tables (table_name, pg_oid, iceberg_table, snapshot_lsn) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (table_name) DO NOTHING",
+                (table_name, pg_oid, iceberg_table, format_lsn(snapshot_lsn) if snapshot_lsn else None),
+            )
+            exists = self.conn.execute(
+                "SELECT 1 FROM _pg2iceberg.snapshot_progress WHERE table_name = %s LIMIT 1", (table_name,)
+            ).fetchone()
+            if not exists:
+                with self.conn.cursor() as cursor:
+                    cursor.executemany(
+                        "INSERT INTO _pg2iceberg.snapshot_progress (table_name, chunk_index, start_page, end_page) "
+                        "VALUES (%s, %s, %s, %s)",
+                        [(table_name, c.index, c.start_page, c.end_page) for c in chunks],
+                    )
+        return self.chunks(table_name)
+
+    def chunks(self, table_name: str) -> list[Chunk]:
+        return [
+            Chunk(table_name, index, start, end, status == "done")
+            for index, start, end, status in self.conn.execute(
+                "SELECT chunk_index, start_page, end_page, status FROM _pg2iceberg.snapshot_progress "
+                "WHERE table_name = %s ORDER BY chunk_index",
+                (table_name,),
+            )
+        ]
+
+    def mark_chunk_done(
+        self, table_name: str, index: int, rows: int, read_mode: str, iceberg_snapshot_id: int | None
+    ) -> None:
+        self.conn.execute(
+            "UPDATE _pg2iceberg.snapshot_progress SET status = 'done', rows_written = %s, read_mode = %s, "
+            "iceberg_snapshot_id = %s, completed_at = now() WHERE table_name = %s AND chunk_index = %s",
+            (rows, read_mode, iceberg_snapshot_id, table_name, index),
+        )
+
+    def mark_snapshot_complete(self, table_name: str) -> None:
+        self.conn.execute(
+            "UPDATE _pg2iceberg.tables SET snapshot_complete = true, snapshot_completed_at = now() "
+            "WHERE table_name = %s",
+            (table_name,),
+        )
+
+    # staged log ----------------------------------------------------------------------------------
+
+    def register_flush(self, files: Sequence[StagedFile], flushed_lsn: int) -> list[LogEntry]:
+        """Atomically: claim offsets in ``log_seq``, add ``log_index`` rows, move ``flushed_lsn``."""
+        entries: list[LogEntry] = []
+        with self.conn.transaction():
+            for staged in files:
+                row = self.conn.execute(
+                    "INSERT INTO _pg2iceberg.log_seq AS s (table_name, next_offset) VALUES (%s, %s) "
+                    "ON CONFLICT (table_name) DO UPDATE SET next_offset = s.next_offset + EXCLUDED.next_offset "
+                    "RETURNING next_offset",
+                    (staged.table_name, staged.row_count),
+                ).fetchone()
+                assert row is not None
+                end = int(row[0])
+                entry = LogEntry(
+                    staged.table_name,
+                    end - staged.row_count,
+                    end,
+                    staged.path,
+                    staged.first_lsn,
+                    staged.flushable_lsn,
+                    staged.row_count,
+                    staged.byte_size,
+                )
+                self.conn.execute(
+                    "INSERT INTO _pg2iceberg.log_index (table_name, start_offset, end_offset, path, first_lsn, "
+                    "flushable_lsn, row_count, byte_size) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        entry.table_name,
+                        entry.start_offset,
+                        entry.end_offset,
+                        entry.path,
+                        format_lsn(entry.first_lsn),
+                        format_lsn(entry.flushable_lsn),
+                        entry.row_count,
+                        entry.byte_size,
+                    ),
+                )
+                entries.append(entry)
+            self.record_flushed_lsn(flushed_lsn)
+        return entries
+
+    def log_head(self, table_name: str) -> int:
+        """The next offset the flusher will assign for ``table_name`` (0 when nothing was staged)."""
+        row = self.conn.execute(
+            "SELECT next_offset FROM _pg2iceberg.log_seq WHERE table_name = %s", (table_name,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def log_entries(self, table_name: str, from_offset: int, max_rows: int | None = None) -> list[LogEntry]:
+        """Entries ending after ``from_offset`` in offset order, about ``max_rows`` changes (at least one)."""
+        entries: list[LogEntry] = []
+        total = 0
+        for row in self.conn.execute(
+            "SELECT table_name, start_offset, end_offset, path, first_lsn::text, flushable_lsn::text, "
+            "row_count, byte_size FROM _pg2iceberg.log_index WHERE table_name = %s AND end_offset > %s "
+            "ORDER BY start_offset",
+            (table_name, from_offset),
+        ):
+            entry = LogEntry(row[0], row[1], row[2], row[3], parse_lsn(row[4]), parse_lsn(row[5]), row[6], row[7])
+            if entries and max_rows is not None and total + entry.row_count > max_rows:
+                break
+            entries.append(entry)
+            total += entry.row_count
+        return entries
+
+    def delete_log_entries_before(self, table_name: str, offset: int) -> list[str]:
+        """Drop index rows entirely below ``offset``; returns their file paths for deletion."""
+        return [
+            path
+            for (path,) in self.conn.execute(
+                "DELETE FROM _pg2iceberg.log_index WHERE table_name = %s AND end_offset <= %s RETURNING path",
+                (table_name, offset),
+            )
+        ]
+
+    # materializer cursor and lease ---------------------------------------------------------------
+
+    def mat_cursor(self, group: str, table_name: str) -> int:
+        """The first offset of ``table_name`` not yet applied to Iceberg by ``group``."""
+        row = self.conn.execute(
+            "SELECT next_offset FROM _pg2iceberg.mat_cursor WHERE group_name = %s AND table_name = %s",
+            (group, table_name),
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def min_mat_cursor(self, table_name: str) -> int:
+        row = self.conn.execute(
+            "SELECT min(next_offset) FROM _pg2iceberg.mat_cursor WHERE table_name = %s", (table_name,)
+        ).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def advance_mat_cursor(
+        self, group: str, table_name: str, next_offset: int, last_lsn: int, iceberg_snapshot_id: int | None
+    ) -> None:
+        """Move the cursor forward (only forward) after the Iceberg commit."""
+        self.conn.execute(
+            "INSERT INTO _pg2iceberg.mat_cursor AS m (group_name, table_name, next_offset, last_lsn, "
+            "iceberg_snapshot_id) VALUES (%s, %s, %s, %s, %s) ON CONFLICT (group_name, table_name) DO UPDATE "
+            "SET next_offset = greatest(m.next_offset, EXCLUDED.next_offset), last_lsn = EXCLUDED.last_lsn, "
+            "iceberg_snapshot_id = EXCLUDED.iceberg_snapshot_id, updated_at = now()",
+            (group, table_name, next_offset, format_lsn(last_lsn), iceberg_snapshot_id),
+        )
+
+    @contextlib.contextmanager
+    def writer_lease(self, group: str, table_name: str, worker_id: str) -> Iterator[None]:
+        """Hold the single-writer lease of a table: a session advisory lock, released even on a crash."""
+        lock_key = zlib.crc32(f"pg2iceberg:materialize:{group}:{table_name}".encode())
+        lease_conn = connect(self.target)
+        try:
+            acquired = lease_conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key,)).fetchone()
+            if not acquired or not acquired[0]:
+                holder = self.conn.execute(
+                    "SELECT worker_id FROM _pg2iceberg.consumer WHERE group_name = %s AND table_name = %s",
+                    (group, table_name),
+                ).fetchone()
+                raise LeaseBusyError(
+                    f"{table_name} is being materialized by {holder[0] if holder else 'another worker'}"
+                )
+            lease_conn.execute(
+                "INSERT INTO _pg2iceberg.consumer (group_name, table_name, worker_id) VALUES (%s, %s, %s) "
+                "ON CONFLICT (group_name, table_name) DO UPDATE SET worker_id = EXCLUDED.worker_id, "
+                "acquired_at = now(), heartbeat_at = now()",
+                (group, table_name, worker_id),
+            )
+            yield
+        finally:
+            lease_conn.close()

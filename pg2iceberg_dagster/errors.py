@@ -1,0 +1,45 @@
+"""Errors the engine raises on purpose: each says what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class Pg2IcebergError(Exception):
+    """Base class: a refusal with a message meant for the operator."""
+
+    exit_code = 1
+
+
+class ConfigError(Pg2IcebergError):
+    """The configuration file is missing, malformed or names something invalid."""
+
+    exit_code = 2
+
+
+class StartupCheckError(Pg2IcebergError):
+    """An invariant checked before running does not hold (DESIGN.md rule 1)."""
+
+    exit_code = 3
+
+
+class UnsupportedTypeError(Pg2IcebergError):
+    """A column type has no faithful Iceberg representation."""
+
+    exit_code = 3
+
+
+class SlotBusyError(Pg2IcebergError):
+    """Another process is consuming the replication slot."""
+
+    exit_code = 4
+
+
+class LeaseBusyError(Pg2IcebergError):
+    """Another materializer holds the writer lease for a table."""
+
+    exit_code = 4
+
+
+class VerifyMismatchError(Pg2IcebergError):
+    """PostgreSQL and Iceberg differ."""
+
+    exit_code = 5

@@ -1,0 +1,1 @@
+"""WAL flusher: logical replication into the staged log."""

@@ -1,0 +1,1 @@
+"""Iceberg side: catalog access, PostgreSQL to Iceberg type mapping, schema evolution."""

@@ -1,0 +1,166 @@
+"""The Iceberg catalog through pyiceberg: loading it, creating mirror tables, evolving their schema."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.table import Table
+from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, StringType
+from sqlalchemy.engine import URL
+
+from ..config import PipelineConfig, TableConfig, _secret_from_env
+from ..errors import UnsupportedTypeError
+from ..source.catalog import SourceColumn, SourceTable
+from .types import iceberg_schema, iceberg_type
+
+T = TypeVar("T")
+
+
+def catalog_properties(config: PipelineConfig) -> dict[str, str]:
+    """pyiceberg catalog properties for the configured catalog (secrets resolved from the environment)."""
+    catalog = config.iceberg.catalog
+    properties: dict[str, str] = {"warehouse": config.iceberg.warehouse}
+    if catalog.type == "sql":
+        pg = config.catalog_connection
+        url = URL.create(
+            "postgresql+psycopg",
+            username=pg.user,
+            password=_secret_from_env(pg.password_env, "password_env"),
+            host=pg.host,
+            port=pg.port,
+            database=pg.dbname,
+        )
+        properties.update(type="sql", uri=url.render_as_string(hide_password=False))
+    elif catalog.type == "rest":
+        properties.update(type="rest", uri=catalog.uri or "")
+        credential = _secret_from_env(catalog.credential_env, "iceberg.catalog.credential_env")
+        if credential:
+            properties["credential"] = credential
+    else:
+        properties["type"] = "glue"
+    if config.staging.url.startswith("s3://") or config.iceberg.warehouse.startswith("s3://"):
+        s3 = config.staging.s3
+        access_key, secret_key = s3.credentials()
+        properties["s3.region"] = s3.region
+        if s3.endpoint:
+            properties["s3.endpoint"] = s3.endpoint
+        if s3.path_style:
+            properties["s3.path-style-access"] = "true"
+        if access_key and secret_key:
+            properties["s3.access-key-id"] = access_key
+            properties["s3.secret-access-key"] = secret_key
+    properties.update(catalog.properties)
+    return properties
+
+
+def open_catalog(config: PipelineConfig) -> Catalog:
+    """The pyiceberg catalog; its name must match Spark's (the SQL catalog stores it per table)."""
+    return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
+
+
+def table_identifier(config: PipelineConfig, table: TableConfig) -> str:
+    """``namespace.table`` of the Iceberg mirror of ``table``."""
+    namespace, name = config.iceberg_identifier(table)
+    return f"{namespace}.{name}"
+
+
+def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) -> Table:
+    """Load the mirror table, creating it (primary key as identifier fields) when missing."""
+    identifier = table_identifier(config, config.table(source.key))
+    namespace = identifier.rsplit(".", 1)[0]
+    try:
+        return catalog.load_table(identifier)
+    except NoSuchTableError:
+        pass
+    with contextlib.suppress(NamespaceAlreadyExistsError):
+        catalog.create_namespace(namespace)
+    schema = iceberg_schema(source.columns, source.primary_key)
+    return catalog.create_table_if_not_exists(identifier, schema, properties=config.iceberg.table_properties)
+
+
+_WIDENINGS: dict[type[IcebergType], tuple[type[IcebergType], ...]] = {
+    IntegerType: (LongType,),
+    FloatType: (DoubleType,),
+}
+
+
+def _is_widening(current: IcebergType, wanted: IcebergType) -> bool:
+    if current == wanted:
+        return False
+    if isinstance(current, DecimalType) and isinstance(wanted, DecimalType):
+        return wanted.scale == current.scale and wanted.precision > current.precision
+    return isinstance(wanted, _WIDENINGS.get(type(current), ()))
+
+
+def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
+    """Bring the Iceberg schema up to the source columns: add new ones, apply safe widenings.
+
+    Columns dropped at the source stay in Iceberg (they keep their history and read null from then
+    on). Narrowing or an incompatible change is refused. Returns a description of each change.
+    """
+    schema = table.schema()
+    changes: list[str] = []
+    additions: list[tuple[str, IcebergType]] = []
+    widenings: list[tuple[str, IcebergType]] = []
+    next_id = [10_000]
+
+    def element_ids() -> int:
+        next_id[0] += 1
+        return next_id[0]
+
+    for column in columns:
+        wanted = iceberg_type(column.type, column.name, element_ids)
+        field = schema.find_field(column.name, case_sensitive=True) if column.name in schema.column_names else None
+        if field is None:
+            additions.append((column.name, wanted))
+            changes.append(f"add column {column.name} {wanted}")
+        elif _is_widening(field.field_type, wanted):
+            widenings.append((column.name, wanted))
+            changes.append(f"widen {column.name} {field.field_type} -> {wanted}")
+        elif (
+            field.field_type != wanted
+            and not (isinstance(field.field_type, StringType) and isinstance(wanted, StringType))
+            and not _is_widening(wanted, field.field_type)
+            and not _same_shape(field.field_type, wanted)
+        ):
+            raise UnsupportedTypeError(
+                f"{table.name()}: column {column.name} changed from {field.field_type} to {wanted} at the source; "
+                "only widening changes (int->bigint, real->double, numeric precision up, varchar->text) are replicated"
+            )
+    if not changes:
+        return []
+    with table.update_schema() as update:
+        for name, wanted in additions:
+            update.add_column(name, wanted)
+        for name, wanted in widenings:
+            update.update_column(name, field_type=wanted)
+    return changes
+
+
+def _same_shape(current: IcebergType, wanted: IcebergType) -> bool:
+    # Lists compare with element ids; the element type is what matters.
+    current_element = getattr(current, "element_type", None)
+    wanted_element = getattr(wanted, "element_type", None)
+    return current_element is not None and current_element == wanted_element
+
+
+def commit_with_retry(operation: Callable[[], T], attempts: int = 8) -> T:
+    """Run an Iceberg commit, retrying when another writer committed first (optimistic concurrency)."""
+    for attempt in range(attempts):
+        try:
+            return operation()
+        except CommitFailedException:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (2**attempt))
+    raise AssertionError("unreachable")
+
+
+def snapshot_summaries(table: Table) -> list[dict[str, Any]]:
+    """Summary properties of every snapshot of ``table`` (oldest first)."""
+    return [dict(snapshot.summary.additional_properties) if snapshot.summary else {} for snapshot in table.snapshots()]

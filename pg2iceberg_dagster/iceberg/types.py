@@ -1,0 +1,197 @@
+"""PostgreSQL -> Iceberg types, and PostgreSQL text values -> Arrow columns for those types.
+
+Native Iceberg types are used wherever one exists and Spark can read it:
+
+=====================================  ====================================
+PostgreSQL                             Iceberg
+=====================================  ====================================
+smallint, integer                      int
+bigint, oid                            long
+real / double precision                float / double
+numeric(p, s), p <= 38                 decimal(p, s)
+boolean                                boolean
+text, varchar(n), char(n), name        string
+bytea                                  binary
+date                                   date
+timestamp / timestamptz                timestamp / timestamptz
+uuid                                   uuid
+T[] (one dimension)                    list<T>
+json, jsonb, xml, enums, interval,     string (PostgreSQL's text form)
+inet, cidr, macaddr, money, bit,
+ranges, composites, geometric, ...
+time, timetz                           string (Spark has no time type and
+                                       refuses tables that have one)
+numeric without precision              string (exact: no fixed scale fits)
+=====================================  ====================================
+
+Refused: numeric with precision above 38 or a negative scale, and pseudo types.
+
+Values of every type travel as PostgreSQL's text form (COPY text rows in the snapshot, pgoutput
+text tuples in the WAL) and are parsed by psycopg's text loaders, so both paths convert alike.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+from psycopg.pq import Format
+from pyiceberg.io.pyarrow import schema_to_pyarrow
+from pyiceberg.schema import Schema
+from pyiceberg.types import (
+    BinaryType,
+    BooleanType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IcebergType,
+    IntegerType,
+    ListType,
+    LongType,
+    NestedField,
+    StringType,
+    TimestampType,
+    TimestamptzType,
+    UUIDType,
+)
+
+from ..errors import UnsupportedTypeError
+from ..source.catalog import TEXT_ARRAY_OID, TEXT_OID, PgType, SourceColumn
+
+MAX_DECIMAL_PRECISION = 38
+
+_NATIVE: dict[str, Callable[[], IcebergType]] = {
+    "int2": IntegerType,
+    "int4": IntegerType,
+    "int8": LongType,
+    "oid": LongType,
+    "float4": FloatType,
+    "float8": DoubleType,
+    "bool": BooleanType,
+    "text": StringType,
+    "varchar": StringType,
+    "bpchar": StringType,
+    "name": StringType,
+    "bytea": BinaryType,
+    "date": DateType,
+    "timestamp": TimestampType,
+    "timestamptz": TimestamptzType,
+    "uuid": UUIDType,
+}
+
+
+def _numeric_precision_scale(type_mod: int) -> tuple[int, int] | None:
+    if type_mod < 4:
+        return None
+    packed = type_mod - 4
+    scale = packed & 0x7FF
+    if scale & 0x400:  # PostgreSQL 15 stores the scale as an 11-bit signed number
+        scale -= 0x800
+    return (packed >> 16) & 0xFFFF, scale
+
+
+def _is_native(pg_type: PgType) -> bool:
+    if pg_type.kind == "numeric":
+        return _numeric_precision_scale(pg_type.type_mod) is not None
+    return pg_type.kind in _NATIVE
+
+
+def iceberg_type(pg_type: PgType, column: str, element_ids: Callable[[], int]) -> IcebergType:
+    """The Iceberg type for a column; ``element_ids`` hands out field ids for list elements."""
+    if pg_type.kind == "pseudo":
+        raise UnsupportedTypeError(f"column {column}: pseudo type {pg_type.name} cannot be replicated")
+    if pg_type.kind == "array":
+        assert pg_type.element is not None
+        element = iceberg_type(pg_type.element, column, element_ids)
+        return ListType(element_id=element_ids(), element_type=element, element_required=False)
+    if pg_type.kind == "numeric":
+        precision_scale = _numeric_precision_scale(pg_type.type_mod)
+        if precision_scale is None:
+            return StringType()
+        precision, scale = precision_scale
+        if precision > MAX_DECIMAL_PRECISION or scale < 0:
+            raise UnsupportedTypeError(
+                f"column {column}: {pg_type.name} does not fit Iceberg decimal (precision <= 38, scale >= 0); "
+                "alter the column to numeric(38, s) or drop the precision to replicate it as text"
+            )
+        return DecimalType(precision, scale)
+    factory = _NATIVE.get(pg_type.kind)
+    return factory() if factory else StringType()
+
+
+def loader_oid(pg_type: PgType) -> int:
+    """The type whose psycopg text loader parses this column's text form."""
+    if pg_type.kind == "array":
+        assert pg_type.element is not None
+        return pg_type.element.array_oid if _is_native(pg_type.element) else TEXT_ARRAY_OID
+    return pg_type.base_oid if _is_native(pg_type) else TEXT_OID
+
+
+def iceberg_schema(columns: Sequence[SourceColumn], primary_key: Sequence[str]) -> Schema:
+    """An Iceberg schema for source columns, with the primary key as identifier fields."""
+    next_id = len(columns)
+
+    def element_ids() -> int:
+        nonlocal next_id
+        next_id += 1
+        return next_id
+
+    fields = []
+    for field_id, column in enumerate(columns, start=1):
+        required = column.name in primary_key
+        fields.append(
+            NestedField(field_id, column.name, iceberg_type(column.type, column.name, element_ids), required=required)
+        )
+    identifier_ids = [field.field_id for field in fields if field.name in primary_key]
+    return Schema(*fields, identifier_field_ids=identifier_ids)
+
+
+def text_loaders(columns: Sequence[SourceColumn]) -> list[Callable[[bytes], Any]]:
+    """psycopg text loaders, one per column, turning PostgreSQL text into Python values."""
+    adapters = psycopg.adapters
+    loaders = []
+    for column in columns:
+        oid = loader_oid(column.type)
+        loader_class = adapters.get_loader(oid, Format.TEXT)
+        if loader_class is None:
+            loader_class = adapters.get_loader(TEXT_OID, Format.TEXT)
+        loaders.append(loader_class(oid, None).load)  # type: ignore[misc]
+    return loaders
+
+
+def _arrow_value(value: Any) -> Any:
+    if isinstance(value, uuid.UUID):
+        return value.bytes
+    if isinstance(value, memoryview):
+        return bytes(value)
+    return value
+
+
+def _needs_value_conversion(arrow_type: pa.DataType) -> bool:
+    return (
+        isinstance(arrow_type, pa.BaseExtensionType)
+        or pa.types.is_binary(arrow_type)
+        or pa.types.is_large_binary(arrow_type)
+    )
+
+
+def arrow_column(values: list[Any], arrow_type: pa.DataType, column: str) -> pa.Array:
+    """Python values -> an Arrow array of ``arrow_type``, with the column named in any error."""
+    if _needs_value_conversion(arrow_type):
+        values = [None if value is None else _arrow_value(value) for value in values]
+    try:
+        if isinstance(arrow_type, pa.BaseExtensionType):
+            storage = pa.array(values, type=arrow_type.storage_type)
+            return pa.ExtensionArray.from_storage(arrow_type, storage)
+        return pa.array(values, type=arrow_type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+        raise UnsupportedTypeError(f"column {column}: value cannot be stored as {arrow_type}: {exc}") from None
+
+
+def arrow_schema(schema: Schema) -> pa.Schema:
+    """The Arrow schema pyiceberg writes for an Iceberg schema (field ids included)."""
+    return schema_to_pyarrow(schema)

@@ -1,0 +1,85 @@
+"""The Spark session the materializer merges with, on the same Iceberg catalog as pyiceberg."""
+
+from __future__ import annotations
+
+import glob
+import os
+from importlib.util import find_spec
+from pathlib import Path
+
+from ..config import PipelineConfig, _secret_from_env
+from ..errors import ConfigError
+
+PGJDBC_JAR = "/usr/share/java/postgresql.jar"
+
+
+def default_jars() -> list[str]:
+    """The Iceberg Spark runtime shipped in the snowpark-connect-deps-iceberg wheel and Debian's pgjdbc."""
+    spec = find_spec("snowpark_connect_deps_iceberg")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("spark.jars not set and snowpark-connect-deps-iceberg is not installed")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    runtime = sorted(glob.glob(str(package_dir / "jars" / "iceberg-spark-runtime-3.5_2.12-*.jar")))
+    if not runtime:
+        raise ConfigError(f"no iceberg-spark-runtime-3.5_2.12 jar under {package_dir}")
+    jdbc = os.environ.get("PG2ICEBERG_PGJDBC_JAR", PGJDBC_JAR)
+    if not Path(jdbc).exists():
+        raise ConfigError(f"PostgreSQL JDBC driver not found at {jdbc}; apt-get install libpostgresql-jdbc-java")
+    return [runtime[-1], jdbc]
+
+
+def spark_conf(config: PipelineConfig) -> dict[str, str]:
+    """Every Spark setting: Iceberg extensions, the catalog (secrets resolved now), user conf last."""
+    name = config.iceberg.catalog.name
+    prefix = f"spark.sql.catalog.{name}"
+    conf: dict[str, str] = {
+        "spark.app.name": config.spark.app_name,
+        "spark.sql.extensions": "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions",
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.sql.session.timeZone": "UTC",
+        prefix: "org.apache.iceberg.spark.SparkCatalog",
+        f"{prefix}.warehouse": config.iceberg.warehouse,
+        # pyiceberg evolves schemas between merges: never merge against a cached, stale table.
+        f"{prefix}.cache-enabled": "false",
+    }
+    catalog = config.iceberg.catalog
+    if catalog.type == "sql":
+        pg = config.catalog_connection
+        conf.update(
+            {
+                f"{prefix}.type": "jdbc",
+                f"{prefix}.uri": f"jdbc:postgresql://{pg.host}:{pg.port}/{pg.dbname}",
+                f"{prefix}.jdbc.user": pg.user,
+                f"{prefix}.jdbc.schema-version": "V1",
+            }
+        )
+        password = _secret_from_env(pg.password_env, "password_env")
+        if password:
+            conf[f"{prefix}.jdbc.password"] = password
+    elif catalog.type == "rest":
+        conf.update({f"{prefix}.type": "rest", f"{prefix}.uri": catalog.uri or ""})
+    else:
+        conf[f"{prefix}.catalog-impl"] = "org.apache.iceberg.aws.glue.GlueCatalog"
+    if config.spark.packages:
+        conf["spark.jars.packages"] = ",".join(config.spark.packages)
+    jars = config.spark.jars if config.spark.jars is not None else ([] if config.spark.packages else default_jars())
+    if jars:
+        conf["spark.jars"] = ",".join(jars)
+    conf.update(config.spark.conf)
+    return conf
+
+
+def build_spark_session(config: PipelineConfig):  # type: ignore[no-untyped-def]
+    """Create (or reuse) the SparkSession: ``spark.remote`` for Spark Connect, else ``spark.master``."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder
+    builder = builder.remote(config.spark.remote) if config.spark.remote else builder.master(config.spark.master)
+    for key, value in spark_conf(config).items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    if not config.spark.remote:
+        session.sparkContext.setLogLevel("ERROR")
+    return session

@@ -1,0 +1,1 @@
+"""Consistent initial snapshot in CTID page chunks."""

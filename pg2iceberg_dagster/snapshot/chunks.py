@@ -1,0 +1,123 @@
+"""Planning CTID page chunks, reading one chunk, and committing it to Iceberg exactly once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+import pyarrow as pa
+from psycopg import sql
+from pyiceberg.table import Table
+
+from ..config import PostgresConnection
+from ..coordination.store import Chunk
+from ..iceberg.catalog import commit_with_retry, snapshot_summaries
+from ..iceberg.types import arrow_column, arrow_schema, loader_oid
+from ..source.catalog import SourceTable
+from ..source.connection import connect
+
+MIN_CTID_RANGE_VERSION = 140000
+CHUNK_MARKER = "pg2iceberg.snapshot-chunk"
+EXPORTED_SNAPSHOT = "exported_snapshot"
+REPEATABLE_READ = "repeatable_read"
+
+
+def plan_chunks(table_name: str, pages: int, chunk_pages: int, server_version: int) -> list[Chunk]:
+    """CTID ranges of ``chunk_pages`` pages covering ``pages``; the last one is open-ended.
+
+    Before PostgreSQL 14 a ctid range is a full scan, so the table is one chunk.
+    """
+    if server_version < MIN_CTID_RANGE_VERSION or pages <= chunk_pages:
+        return [Chunk(table_name, 0, 0, None)]
+    count = -(-pages // chunk_pages)
+    return [
+        Chunk(table_name, index, index * chunk_pages, (index + 1) * chunk_pages if index < count - 1 else None)
+        for index in range(count)
+    ]
+
+
+def chunk_query(source: SourceTable, chunk: Chunk) -> sql.Composed:
+    """``COPY (SELECT cols FROM t WHERE ctid range) TO STDOUT``; runs as a TID Range Scan on PG 14+."""
+    columns = sql.SQL(", ").join(sql.Identifier(column.name) for column in source.columns)
+    conditions = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({chunk.start_page},0)"))]
+    if chunk.end_page is not None:
+        conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({chunk.end_page},0)")))
+    where = sql.SQL(" AND ").join(conditions) if chunk.start_page or chunk.end_page is not None else sql.SQL("true")
+    return sql.SQL("COPY (SELECT {} FROM {}.{} WHERE {}) TO STDOUT").format(
+        columns, sql.Identifier(source.schema_name), sql.Identifier(source.table_name), where
+    )
+
+
+@dataclass(frozen=True)
+class ChunkData:
+    rows: pa.Table
+    read_mode: str
+
+
+def copy_rows(conn: psycopg.Connection, source: SourceTable, chunk: Chunk, schema: pa.Schema) -> pa.Table:
+    """COPY a chunk's rows in text form on ``conn`` (inside the caller's transaction) into Arrow."""
+    values: list[list[object]] = [[] for _ in source.columns]
+    with conn.cursor() as cursor, cursor.copy(chunk_query(source, chunk)) as copy:
+        copy.set_types([loader_oid(column.type) for column in source.columns])
+        for row in copy.rows():
+            for position, value in enumerate(row):
+                values[position].append(value)
+    by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
+    arrays = [
+        arrow_column(by_name[field.name], field.type, field.name)
+        if field.name in by_name
+        else pa.nulls(len(values[0]) if values else 0, field.type)
+        for field in schema
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def read_chunk(
+    target: PostgresConnection, source: SourceTable, chunk: Chunk, schema: pa.Schema, snapshot_name: str | None
+) -> ChunkData:
+    """Read a chunk under the exported snapshot (or plain REPEATABLE READ when there is none)."""
+    with connect(target, autocommit=False) as conn:
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        if snapshot_name:
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
+        rows = copy_rows(conn, source, chunk, schema)
+        conn.rollback()
+    return ChunkData(rows=rows, read_mode=EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ)
+
+
+def chunk_marker(chunk: Chunk) -> str:
+    return f"{chunk.table_name}#{chunk.index}"
+
+
+def committed_chunk_markers(table: Table) -> set[str]:
+    """Chunks whose rows are already in ``table`` (the marker rides in the snapshot summary)."""
+    return {summary[CHUNK_MARKER] for summary in snapshot_summaries(table) if CHUNK_MARKER in summary}
+
+
+def commit_chunk(table: Table, chunk: Chunk, data: ChunkData, primary_key: tuple[str, ...]) -> int | None:
+    """Write a chunk's rows to Iceberg in one commit and return the new snapshot id.
+
+    Under the exported snapshot chunks are disjoint, so rows are appended; the chunk marker in the
+    same commit makes a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
+    be there (it moved pages since an earlier chunk read it), so rows are upserted by primary key.
+    """
+    marker = {CHUNK_MARKER: chunk_marker(chunk)}
+
+    def commit() -> int | None:
+        table.refresh()
+        if chunk_marker(chunk) in committed_chunk_markers(table):
+            return table.current_snapshot().snapshot_id if table.current_snapshot() else None
+        if data.read_mode == EXPORTED_SNAPSHOT or data.rows.num_rows == 0:
+            table.append(data.rows, snapshot_properties=marker)
+        else:
+            table.upsert(data.rows, join_cols=list(primary_key), snapshot_properties=marker)
+        table.refresh()
+        snapshot = table.current_snapshot()
+        return snapshot.snapshot_id if snapshot else None
+
+    return commit_with_retry(commit)
+
+
+def arrow_schema_for(table: Table) -> pa.Schema:
+    """The Arrow schema chunks are written with (the Iceberg table's current schema)."""
+    return arrow_schema(table.schema())

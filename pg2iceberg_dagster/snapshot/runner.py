@@ -1,0 +1,174 @@
+"""The initial snapshot: slot + exported snapshot, CTID chunks read in parallel, resumable.
+
+Normal case: the slot is created with ``SNAPSHOT 'export'`` on a replication connection that stays
+open and idle until every chunk of every table has been read, so all tables are read at the slot's
+consistent point. After a crash the export is gone; remaining chunks read under plain REPEATABLE
+READ and are upserted by primary key (see :func:`commit_chunk`), and WAL replay from the consistent
+point converges the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import psycopg
+from pyiceberg.catalog import Catalog
+
+from ..config import PipelineConfig
+from ..coordination.store import Chunk, CoordinationStore
+from ..iceberg.catalog import ensure_table, table_identifier
+from ..source.catalog import SourceTable, table_pages
+from ..source.connection import connect
+from ..source.replication import create_slot_with_snapshot
+from ..validation import StartupReport
+from .chunks import (
+    arrow_schema_for,
+    chunk_marker,
+    commit_chunk,
+    committed_chunk_markers,
+    plan_chunks,
+    read_chunk,
+)
+
+ChunkCallback = Callable[[Chunk, int], None]
+
+
+@dataclass
+class TableSnapshotResult:
+    rows: int = 0
+    chunks_run: int = 0
+    chunks_skipped: int = 0
+    read_modes: set[str] = field(default_factory=set)
+    complete: bool = False
+
+
+class SnapshotHolder:
+    """Creates the slot and holds its exported snapshot open until closed."""
+
+    def __init__(self, config: PipelineConfig, store: CoordinationStore) -> None:
+        self._conn: psycopg.Connection = connect(config.source, replication=True)
+        created = create_slot_with_snapshot(self._conn, config.replication.slot)
+        store.record_slot_created(created.consistent_point)
+        self.snapshot_name = created.snapshot_name
+        self.consistent_point = created.consistent_point
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> SnapshotHolder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class SnapshotRunner:
+    """Plans and runs the snapshot of the configured tables that are not complete yet."""
+
+    def __init__(
+        self, config: PipelineConfig, store: CoordinationStore, report: StartupReport, catalog: Catalog
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.report = report
+        self.catalog = catalog
+        self._commit_locks: dict[str, threading.Lock] = {}
+
+    def pending_tables(self) -> list[SourceTable]:
+        """Configured tables whose snapshot is not complete."""
+        states = self.store.table_states()
+        return [
+            table for key, table in self.report.tables.items() if key not in states or not states[key].snapshot_complete
+        ]
+
+    def plan(self, table: SourceTable, snapshot_lsn: int | None) -> list[Chunk]:
+        """Create the Iceberg table and store the chunk plan once; returns the stored plan."""
+        iceberg_table = ensure_table(self.catalog, self.config, table)
+        with connect(self.config.source) as conn:
+            pages = table_pages(conn, table.oid)
+        planned = plan_chunks(table.key, pages, self.config.snapshot.chunk_pages, self.report.server_version)
+        chunks = self.store.start_table_snapshot(
+            table.key, table.oid, table_identifier(self.config, self.config.table(table.key)), snapshot_lsn, planned
+        )
+        committed = committed_chunk_markers(iceberg_table)
+        for chunk in chunks:
+            if not chunk.done and chunk_marker(chunk) in committed:
+                # Committed to Iceberg before a crash, but not recorded: the marker proves it.
+                self.store.mark_chunk_done(table.key, chunk.index, 0, "recovered", None)
+        return self.store.chunks(table.key)
+
+    def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
+        """Read one chunk and commit it to Iceberg; returns the rows written."""
+        identifier = table_identifier(self.config, self.config.table(table.key))
+        schema = arrow_schema_for(self.catalog.load_table(identifier))
+        data = read_chunk(self.config.source, table, chunk, schema, snapshot_name)
+        lock = self._commit_locks.setdefault(table.key, threading.Lock())
+        with lock:
+            snapshot_id = commit_chunk(self.catalog.load_table(identifier), chunk, data, table.primary_key)
+        self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
+        return data.rows.num_rows
+
+    def complete_if_done(self, table_key: str) -> bool:
+        """Mark the table's snapshot complete once every chunk is done."""
+        if all(chunk.done for chunk in self.store.chunks(table_key)):
+            self.store.mark_snapshot_complete(table_key)
+            return True
+        return False
+
+    def run(
+        self, on_chunk: ChunkCallback | None = None, on_plan: Callable[[int], None] | None = None
+    ) -> dict[str, TableSnapshotResult]:
+        """Snapshot every pending table; the exported snapshot is held until all chunks are read."""
+        pending = self.pending_tables()
+        results = {table.key: TableSnapshotResult() for table in pending}
+        if not pending:
+            return results
+        holder = SnapshotHolder(self.config, self.store) if self.report.slot is None else None
+        try:
+            snapshot_name = holder.snapshot_name if holder else None
+            work: list[tuple[SourceTable, Chunk]] = []
+            for table in pending:
+                for chunk in self.plan(table, holder.consistent_point if holder else None):
+                    if chunk.done:
+                        results[table.key].chunks_skipped += 1
+                    else:
+                        work.append((table, chunk))
+            if on_plan:
+                on_plan(len(work))
+            self._run_parallel(work, snapshot_name, results, on_chunk)
+        finally:
+            if holder:
+                holder.close()
+        for table in pending:
+            results[table.key].complete = self.complete_if_done(table.key)
+        return results
+
+    def _run_parallel(
+        self,
+        work: Iterable[tuple[SourceTable, Chunk]],
+        snapshot_name: str | None,
+        results: dict[str, TableSnapshotResult],
+        on_chunk: ChunkCallback | None,
+    ) -> None:
+        mode = "exported_snapshot" if snapshot_name else "repeatable_read"
+        with ThreadPoolExecutor(max_workers=self.config.snapshot.parallelism, thread_name_prefix="chunk") as pool:
+            futures = {
+                pool.submit(self.run_chunk, table, chunk, snapshot_name): (table, chunk) for table, chunk in work
+            }
+            try:
+                for future in as_completed(futures):
+                    table, chunk = futures[future]
+                    rows = future.result()
+                    result = results[table.key]
+                    result.rows += rows
+                    result.chunks_run += 1
+                    result.read_modes.add(mode)
+                    if on_chunk:
+                        on_chunk(chunk, rows)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise

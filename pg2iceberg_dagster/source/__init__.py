@@ -1,0 +1,1 @@
+"""Everything that talks to the source PostgreSQL: connections, catalog, replication, pgoutput."""

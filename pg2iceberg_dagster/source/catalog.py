@@ -1,0 +1,197 @@
+"""Introspection of the source catalog: tables, columns, resolved types, primary keys, sizes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+
+from ..config import TableConfig
+from ..errors import StartupCheckError
+
+TEXT_OID = 25
+TEXT_ARRAY_OID = 1009
+
+
+@dataclass(frozen=True)
+class PgType:
+    """A column type resolved through domains, with what decides its Iceberg mapping.
+
+    ``kind`` is the base type's name (``int4``, ``numeric``, ...) or ``enum``/``composite``/``range``;
+    ``loader_oid`` is the type psycopg loads the value's text form with.
+    """
+
+    name: str
+    kind: str
+    type_mod: int
+    base_oid: int
+    array_oid: int
+    element: PgType | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (stored in staged file metadata)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PgType:
+        element = data.get("element")
+        return cls(**{**data, "element": cls.from_json(element) if element else None})
+
+
+@dataclass(frozen=True)
+class SourceColumn:
+    name: str
+    type: PgType
+    not_null: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type.to_json(), "not_null": self.not_null}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SourceColumn:
+        return cls(name=data["name"], type=PgType.from_json(data["type"]), not_null=data["not_null"])
+
+
+@dataclass(frozen=True)
+class SourceTable:
+    """A configured source table as the catalog describes it now."""
+
+    key: str
+    schema_name: str
+    table_name: str
+    oid: int
+    columns: tuple[SourceColumn, ...]
+    primary_key: tuple[str, ...]
+    replica_identity: str
+
+    def column(self, name: str) -> SourceColumn:
+        for column in self.columns:
+            if column.name == name:
+                return column
+        raise KeyError(name)
+
+
+_TYPE_QUERY = """
+SELECT t.typname, t.typtype, t.typbasetype, t.typtypmod, t.typelem, t.typcategory, t.typarray,
+       format_type(t.oid, %(mod)s)
+FROM pg_type t WHERE t.oid = %(oid)s
+"""
+
+_SPECIAL_KINDS = {"e": "enum", "c": "composite", "r": "range", "m": "multirange", "p": "pseudo"}
+
+
+class TypeResolver:
+    """Resolves (type oid, typmod) pairs to :class:`PgType`, caching what it has seen."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self._conn = conn
+        self._cache: dict[tuple[int, int], PgType] = {}
+
+    def resolve(self, oid: int, type_mod: int) -> PgType:
+        """The resolved type of a column declared as ``oid`` with ``type_mod``."""
+        cached = self._cache.get((oid, type_mod))
+        if cached is None:
+            cached = self._resolve(oid, type_mod, display_name=None)
+            self._cache[(oid, type_mod)] = cached
+        return cached
+
+    def _resolve(self, oid: int, type_mod: int, display_name: str | None) -> PgType:
+        row = self._conn.execute(_TYPE_QUERY, {"oid": oid, "mod": type_mod}).fetchone()
+        if row is None:
+            raise StartupCheckError(f"type oid {oid} does not exist in the source catalog")
+        typname, typtype, basetype, base_mod, elem, category, array_oid, formatted = row
+        name = display_name or formatted
+        if typtype == "d":
+            return self._resolve(basetype, base_mod if base_mod != -1 else type_mod, name)
+        if category == "A" and elem:
+            element = self._resolve(elem, type_mod, None)
+            return PgType(name=name, kind="array", type_mod=type_mod, base_oid=oid, array_oid=0, element=element)
+        kind = _SPECIAL_KINDS.get(typtype, typname)
+        return PgType(name=name, kind=kind, type_mod=type_mod, base_oid=oid, array_oid=array_oid)
+
+
+def server_version(conn: psycopg.Connection) -> int:
+    """``server_version_num``, e.g. 150004."""
+    return int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
+
+
+def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
+    """Columns, key and identity of a configured table; refuses missing tables and tables without a key."""
+    row = conn.execute(
+        """
+        SELECT c.oid, c.relkind, c.relreplident FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %s AND c.relname = %s
+        """,
+        (table.schema_name, table.table_name),
+    ).fetchone()
+    if row is None:
+        raise StartupCheckError(f"table {table.key} does not exist in the source database")
+    oid, relkind, replident = row
+    if relkind != "r":
+        raise StartupCheckError(f"{table.key} is not an ordinary table (relkind {relkind!r}); list its partitions")
+    columns = tuple(
+        SourceColumn(name=name, type=resolver.resolve(type_oid, type_mod), not_null=not_null)
+        for name, type_oid, type_mod, not_null in conn.execute(
+            """
+            SELECT attname, atttypid, atttypmod, attnotnull FROM pg_attribute
+            WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
+            """,
+            (oid,),
+        )
+    )
+    declared_key = tuple(
+        name
+        for (name,) in conn.execute(
+            """
+            SELECT a.attname FROM pg_index i
+            JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord) ON true
+            JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+            WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.ord
+            """,
+            (oid,),
+        )
+    )
+    names = {column.name for column in columns}
+    if table.primary_key:
+        missing = [name for name in table.primary_key if name not in names]
+        if missing:
+            raise StartupCheckError(f"{table.key}: primary_key names unknown columns {missing}")
+        key = tuple(table.primary_key)
+        if tuple(key) != declared_key and replident not in ("f", "i"):
+            raise StartupCheckError(
+                f"{table.key}: primary_key {list(key)} is not the declared primary key, so updates and "
+                f"deletes would not carry it; run ALTER TABLE {table.name} REPLICA IDENTITY FULL"
+            )
+    elif declared_key:
+        key = declared_key
+    else:
+        raise StartupCheckError(
+            f"{table.key} has no primary key; declare one, or set tables[].primary_key in the config "
+            f"and ALTER TABLE {table.name} REPLICA IDENTITY FULL"
+        )
+    if replident == "n":
+        raise StartupCheckError(f"{table.key} has REPLICA IDENTITY NOTHING; updates and deletes cannot be replicated")
+    return SourceTable(
+        key=table.key,
+        schema_name=table.schema_name,
+        table_name=table.table_name,
+        oid=oid,
+        columns=columns,
+        primary_key=key,
+        replica_identity=replident,
+    )
+
+
+def table_pages(conn: psycopg.Connection, oid: int) -> int:
+    """Heap pages of a table: the larger of ``relpages`` and the file size (relpages may be stale or 0)."""
+    row = conn.execute(
+        """
+        SELECT greatest(c.relpages::bigint,
+                        pg_relation_size(c.oid) / current_setting('block_size')::bigint)
+        FROM pg_class c WHERE c.oid = %s
+        """,
+        (oid,),
+    ).fetchone()
+    return int(row[0]) if row else 0

@@ -1,0 +1,26 @@
+"""Opening connections to PostgreSQL with errors that name the server but never the password."""
+
+from __future__ import annotations
+
+import psycopg
+
+from ..config import PostgresConnection
+from ..errors import Pg2IcebergError
+
+# Text forms must not depend on server or role defaults: the snapshot (COPY text) and the WAL
+# (pgoutput text) are parsed alike, timestamps with an explicit UTC offset, floats exactly.
+SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
+
+
+def connect(target: PostgresConnection, *, autocommit: bool = True, replication: bool = False) -> psycopg.Connection:
+    """Open a connection (a replication one when ``replication``) or raise a clear error."""
+    kwargs: dict[str, str] = {"options": SESSION_OPTIONS}
+    if replication:
+        kwargs["replication"] = "database"
+    try:
+        return psycopg.connect(target.conninfo(**kwargs), autocommit=autocommit)
+    except psycopg.OperationalError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise Pg2IcebergError(
+            f"cannot connect to {target.describe()}{' (replication)' if replication else ''}: {reason}"
+        ) from None

@@ -1,0 +1,257 @@
+"""Decoder for the pgoutput logical replication protocol (version 1, text tuple data).
+
+Message layouts follow the PostgreSQL documentation, "Logical Replication Message Formats".
+Tuple values decode to ``None`` (SQL NULL), :data:`UNCHANGED` (an unchanged TOASTed value the
+server did not send) or the value's text representation.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final
+
+PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+class _Unchanged:
+    """Marker for an unchanged TOASTed column ('u' in TupleData)."""
+
+    _instance: _Unchanged | None = None
+
+    def __new__(cls) -> _Unchanged:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Final = _Unchanged()
+TupleValue = str | None | _Unchanged
+Tuple = tuple[TupleValue, ...]
+
+
+def pg_timestamp(micros: int) -> datetime:
+    """Microseconds since 2000-01-01 UTC -> aware datetime."""
+    return PG_EPOCH + timedelta(microseconds=micros)
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    final_lsn: int
+    commit_ts: datetime
+    xid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    flags: int
+    commit_lsn: int
+    end_lsn: int
+    commit_ts: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    lsn: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RelationColumn:
+    is_key: bool
+    name: str
+    type_oid: int
+    type_mod: int
+
+
+@dataclass(frozen=True, slots=True)
+class Relation:
+    oid: int
+    namespace: str
+    name: str
+    replica_identity: str
+    columns: tuple[RelationColumn, ...]
+
+    @property
+    def key(self) -> str:
+        """``schema.table`` as used in the configuration."""
+        return f"{self.namespace}.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class TypeInfo:
+    oid: int
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Insert:
+    relation_oid: int
+    new: Tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    relation_oid: int
+    old_kind: str | None  # 'K' key columns only, 'O' whole old row, None when not sent
+    old: Tuple | None
+    new: Tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    relation_oid: int
+    old_kind: str
+    old: Tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Truncate:
+    options: int
+    relation_oids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalMessage:
+    transactional: bool
+    lsn: int
+    prefix: str
+    content: bytes
+
+
+Message = Begin | Commit | Origin | Relation | TypeInfo | Insert | Update | Delete | Truncate | LogicalMessage
+
+
+class DecodeError(ValueError):
+    """The bytes are not a pgoutput message this decoder understands."""
+
+
+class _Reader:
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _take(self, fmt: str) -> int:
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def u8(self) -> int:
+        return self._take("!B")
+
+    def i16(self) -> int:
+        return self._take("!h")
+
+    def i32(self) -> int:
+        return self._take("!i")
+
+    def u32(self) -> int:
+        return self._take("!I")
+
+    def i64(self) -> int:
+        return self._take("!q")
+
+    def u64(self) -> int:
+        return self._take("!Q")
+
+    def byte_char(self) -> str:
+        return chr(self.u8())
+
+    def cstring(self) -> str:
+        end = self.data.index(b"\0", self.pos)
+        value = self.data[self.pos : end].decode("utf-8")
+        self.pos = end + 1
+        return value
+
+    def raw(self, length: int) -> bytes:
+        value = self.data[self.pos : self.pos + length]
+        if len(value) != length:
+            raise DecodeError("message truncated")
+        self.pos += length
+        return bytes(value)
+
+    def tuple_data(self) -> Tuple:
+        values: list[TupleValue] = []
+        for _ in range(self.i16()):
+            kind = self.byte_char()
+            if kind == "n":
+                values.append(None)
+            elif kind == "u":
+                values.append(UNCHANGED)
+            elif kind == "t":
+                values.append(self.raw(self.i32()).decode("utf-8"))
+            else:
+                raise DecodeError(f"unsupported tuple value kind {kind!r} (binary mode is not used)")
+        return tuple(values)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one pgoutput message (the payload of an XLogData 'w' message)."""
+    reader = _Reader(data)
+    tag = reader.byte_char()
+    if tag == "B":
+        return Begin(final_lsn=reader.u64(), commit_ts=pg_timestamp(reader.i64()), xid=reader.u32())
+    if tag == "C":
+        return Commit(
+            flags=reader.u8(),
+            commit_lsn=reader.u64(),
+            end_lsn=reader.u64(),
+            commit_ts=pg_timestamp(reader.i64()),
+        )
+    if tag == "I":
+        oid = reader.u32()
+        if reader.byte_char() != "N":
+            raise DecodeError("Insert without a new tuple")
+        return Insert(relation_oid=oid, new=reader.tuple_data())
+    if tag == "U":
+        oid = reader.u32()
+        kind = reader.byte_char()
+        old_kind, old = None, None
+        if kind in ("K", "O"):
+            old_kind, old = kind, reader.tuple_data()
+            kind = reader.byte_char()
+        if kind != "N":
+            raise DecodeError("Update without a new tuple")
+        return Update(relation_oid=oid, old_kind=old_kind, old=old, new=reader.tuple_data())
+    if tag == "D":
+        oid = reader.u32()
+        kind = reader.byte_char()
+        if kind not in ("K", "O"):
+            raise DecodeError("Delete without an old tuple")
+        return Delete(relation_oid=oid, old_kind=kind, old=reader.tuple_data())
+    if tag == "R":
+        oid = reader.u32()
+        namespace = reader.cstring() or "pg_catalog"
+        name = reader.cstring()
+        identity = reader.byte_char()
+        columns = tuple(
+            RelationColumn(
+                is_key=bool(reader.u8() & 1),
+                name=reader.cstring(),
+                type_oid=reader.u32(),
+                type_mod=reader.i32(),
+            )
+            for _ in range(reader.i16())
+        )
+        return Relation(oid=oid, namespace=namespace, name=name, replica_identity=identity, columns=columns)
+    if tag == "T":
+        count = reader.i32()
+        options = reader.u8()
+        return Truncate(options=options, relation_oids=tuple(reader.u32() for _ in range(count)))
+    if tag == "Y":
+        return TypeInfo(oid=reader.u32(), namespace=reader.cstring(), name=reader.cstring())
+    if tag == "O":
+        return Origin(lsn=reader.u64(), name=reader.cstring())
+    if tag == "M":
+        transactional = bool(reader.u8())
+        lsn = reader.u64()
+        prefix = reader.cstring()
+        return LogicalMessage(transactional=transactional, lsn=lsn, prefix=prefix, content=reader.raw(reader.i32()))
+    raise DecodeError(f"unknown pgoutput message type {tag!r}")

@@ -1,0 +1,182 @@
+"""The logical replication connection: slot creation with an exported snapshot, and the COPY_BOTH stream.
+
+The stream loop runs on libpq directly (psycopg's ``pgconn``): psycopg 3.3 has no high-level
+replication API. Keepalives are answered inside :meth:`ReplicationStream.read`.
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import psycopg
+from psycopg import sql
+
+from ..config import PostgresConnection
+from ..errors import Pg2IcebergError, SlotBusyError, StartupCheckError
+from .connection import connect
+from .lsn import format_lsn, parse_lsn
+from .pgoutput import PG_EPOCH
+
+
+@dataclass(frozen=True)
+class CreatedSlot:
+    """What CREATE_REPLICATION_SLOT returned; ``snapshot_name`` is valid while its connection idles."""
+
+    name: str
+    consistent_point: int
+    snapshot_name: str
+
+
+def create_slot_with_snapshot(conn: psycopg.Connection, slot: str) -> CreatedSlot:
+    """Create a pgoutput slot on a replication connection and export its snapshot.
+
+    The caller must keep ``conn`` open and send nothing more on it while other sessions import the
+    snapshot: its next command invalidates it.
+    """
+    try:
+        row = conn.execute(
+            sql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')").format(sql.Identifier(slot))
+        ).fetchone()
+    except psycopg.errors.DuplicateObject:
+        raise StartupCheckError(f"replication slot {slot} already exists") from None
+    assert row is not None
+    return CreatedSlot(name=row[0], consistent_point=parse_lsn(row[1]), snapshot_name=row[2])
+
+
+@dataclass(frozen=True)
+class XLogData:
+    """One WAL data message: the LSN it starts at, the server's WAL end, and the pgoutput payload."""
+
+    data_start: int
+    wal_end: int
+    payload: bytes
+
+
+def _now_micros() -> int:
+    return int((datetime.now(UTC) - PG_EPOCH).total_seconds() * 1_000_000)
+
+
+class ReplicationStream:
+    """START_REPLICATION on ``slot`` from ``start_lsn``; read messages, acknowledge flushed LSNs."""
+
+    def __init__(
+        self,
+        target: PostgresConnection,
+        slot: str,
+        publication: str,
+        start_lsn: int,
+        status_interval: float = 10.0,
+    ) -> None:
+        self._target = target
+        self._slot = slot
+        self._publication = publication
+        self._start_lsn = start_lsn
+        self._status_interval = status_interval
+        self._conn: psycopg.Connection | None = None
+        self._flushed = start_lsn
+        self._last_status = 0.0
+        # Position the server reported in its last keepalive: everything committed before it was sent.
+        self.server_wal_end = start_lsn
+
+    def open(self) -> None:
+        """Connect and start streaming; a slot in use by another process raises SlotBusyError."""
+        self._conn = connect(self._target, replication=True)
+        command = sql.SQL("START_REPLICATION SLOT {} LOGICAL {} (proto_version '1', publication_names {})").format(
+            sql.Identifier(self._slot), sql.SQL(format_lsn(self._start_lsn)), sql.Literal(self._publication)
+        )
+        try:
+            self._conn.execute(command)
+        except psycopg.errors.ObjectInUse as exc:
+            self.close()
+            raise SlotBusyError(
+                f"replication slot {self._slot} is in use by another process ({exc.diag.message_primary}); "
+                "only one flusher may stream at a time: stop the other `stream`/`run` process or the "
+                "Dagster flusher sensor"
+            ) from None
+        except psycopg.errors.UndefinedObject:
+            self.close()
+            raise StartupCheckError(
+                f"replication slot {self._slot} does not exist; run `pg2iceberg-dagster snapshot` first"
+            ) from None
+        except psycopg.Error as exc:
+            self.close()
+            raise Pg2IcebergError(f"START_REPLICATION failed: {exc.diag.message_primary or exc}") from None
+
+    def __enter__(self) -> ReplicationStream:
+        self.open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def read(self, timeout: float) -> XLogData | None:
+        """The next XLogData message, or None when none arrived within ``timeout`` seconds."""
+        assert self._conn is not None, "stream is not open"
+        pgconn = self._conn.pgconn
+        deadline = time.monotonic() + timeout
+        while True:
+            self._maybe_send_status()
+            nbytes, data = pgconn.get_copy_data(1)
+            if nbytes == 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, 1.0))
+                if readable:
+                    pgconn.consume_input()
+                continue
+            if nbytes == -1:
+                raise Pg2IcebergError("the server ended the replication stream")
+            if nbytes < 0:
+                message = pgconn.error_message.decode(errors="replace").strip()
+                raise Pg2IcebergError(f"replication stream failed: {message}")
+            message = bytes(data)
+            kind = message[:1]
+            if kind == b"w":
+                data_start, wal_end, _ = struct.unpack_from("!QQq", message, 1)
+                return XLogData(data_start=data_start, wal_end=wal_end, payload=message[25:])
+            if kind == b"k":
+                wal_end, _, reply = struct.unpack_from("!QqB", message, 1)
+                self.server_wal_end = max(self.server_wal_end, wal_end)
+                if reply:
+                    self._send_status(reply=False)
+
+    def request_keepalive(self) -> None:
+        """Ask the server to answer now with a keepalive carrying its current position."""
+        self._send_status(reply=True)
+
+    def ack(self, lsn: int) -> None:
+        """Tell the server everything up to ``lsn`` is durably handled; it may recycle that WAL."""
+        if lsn > self._flushed:
+            self._flushed = lsn
+        self._send_status(reply=False)
+
+    def _maybe_send_status(self) -> None:
+        if time.monotonic() - self._last_status >= self._status_interval:
+            self._send_status(reply=False)
+
+    def _send_status(self, reply: bool) -> None:
+        assert self._conn is not None
+        lsn = self._flushed
+        payload = b"r" + struct.pack("!QQQqB", lsn, lsn, lsn, _now_micros(), 1 if reply else 0)
+        pgconn = self._conn.pgconn
+        pgconn.put_copy_data(payload)
+        pgconn.flush()
+        self._last_status = time.monotonic()
+
+    def close(self) -> None:
+        """End the stream and close the connection."""
+        if self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        try:
+            conn.pgconn.put_copy_end()
+            conn.pgconn.flush()
+        except psycopg.Error:
+            pass
+        finally:
+            conn.close()

@@ -1,0 +1,1 @@
+"""Staged log: the staging codec and the object store the Parquet files live in."""

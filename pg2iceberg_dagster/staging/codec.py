@@ -1,0 +1,112 @@
+"""The staging codec: row changes of one table <-> a Parquet file with the fixed staging schema.
+
+The six columns are exactly the staged log's schema (``_op``, ``_lsn``, ``_ts``, ``_xid``,
+``_unchanged_cols``, ``_data``). ``_op`` is I, U or D, plus T for a TRUNCATE of the table.
+``_data`` is a JSON object of the row's columns in PostgreSQL text form (null for SQL NULL);
+unchanged TOASTed columns are left out of it and named in ``_unchanged_cols``. The relation's
+columns and resolved types at the time of the change ride along in the file's key-value metadata,
+so the materializer can evolve the Iceberg schema without asking the source.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..source.catalog import SourceColumn
+
+STAGING_SCHEMA = pa.schema(
+    [
+        ("_op", pa.string()),
+        ("_lsn", pa.int64()),
+        ("_ts", pa.timestamp("us", tz="UTC")),
+        ("_xid", pa.int64()),
+        ("_unchanged_cols", pa.string()),
+        ("_data", pa.string()),
+    ]
+)
+RELATION_METADATA_KEY = b"pg2iceberg.relation"
+
+INSERT, UPDATE, DELETE, TRUNCATE = "I", "U", "D", "T"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One row change (or a TRUNCATE) as staged."""
+
+    op: str
+    lsn: int
+    ts: datetime
+    xid: int
+    data: dict[str, str | None]
+    unchanged: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StagedRelation:
+    """The table a staged file belongs to and its columns when the changes happened."""
+
+    table: str
+    columns: tuple[SourceColumn, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"table": self.table, "columns": [c.to_json() for c in self.columns]})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StagedRelation:
+        data = json.loads(text)
+        return cls(table=data["table"], columns=tuple(SourceColumn.from_json(c) for c in data["columns"]))
+
+
+def encode(relation: StagedRelation, changes: Sequence[Change]) -> bytes:
+    """Serialize changes (in log order) to Parquet bytes."""
+    table = pa.Table.from_arrays(
+        [
+            pa.array([c.op for c in changes], pa.string()),
+            pa.array([c.lsn for c in changes], pa.int64()),
+            pa.array([c.ts for c in changes], pa.timestamp("us", tz="UTC")),
+            pa.array([c.xid for c in changes], pa.int64()),
+            pa.array([",".join(c.unchanged) if c.unchanged else None for c in changes], pa.string()),
+            pa.array([json.dumps(c.data, separators=(",", ":")) for c in changes], pa.string()),
+        ],
+        schema=STAGING_SCHEMA.with_metadata({RELATION_METADATA_KEY: relation.to_json().encode()}),
+    )
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def decode(data: bytes) -> tuple[StagedRelation, list[Change]]:
+    """Parquet bytes -> (relation, changes in log order)."""
+    table = pq.read_table(io.BytesIO(data))
+    metadata = table.schema.metadata or {}
+    if RELATION_METADATA_KEY not in metadata or table.schema.remove_metadata() != STAGING_SCHEMA:
+        raise ValueError("not a pg2iceberg staged file (schema or relation metadata missing)")
+    relation = StagedRelation.from_json(metadata[RELATION_METADATA_KEY])
+    columns = table.to_pydict()
+    changes = [
+        Change(
+            op=op,
+            lsn=lsn,
+            ts=ts,
+            xid=xid,
+            data=json.loads(payload),
+            unchanged=tuple(unchanged.split(",")) if unchanged else (),
+        )
+        for op, lsn, ts, xid, unchanged, payload in zip(
+            columns["_op"],
+            columns["_lsn"],
+            columns["_ts"],
+            columns["_xid"],
+            columns["_unchanged_cols"],
+            columns["_data"],
+            strict=True,
+        )
+    ]
+    return relation, changes

@@ -1,0 +1,63 @@
+"""The object store holding staged files: a local directory (file://) or an S3 prefix (s3://)."""
+
+from __future__ import annotations
+
+import contextlib
+from urllib.parse import urlparse
+
+from pyarrow import fs
+
+from ..config import StagingConfig
+
+
+class ObjectStore:
+    """Relative keys under the staging root; the same code serves file:// and s3://."""
+
+    def __init__(self, config: StagingConfig) -> None:
+        parsed = urlparse(config.url)
+        if parsed.scheme == "file":
+            self.filesystem: fs.FileSystem = fs.LocalFileSystem()
+            self.root = parsed.path.rstrip("/")
+        else:
+            access_key, secret_key = config.s3.credentials()
+            options: dict[str, object] = {"region": config.s3.region}
+            if config.s3.endpoint:
+                endpoint = urlparse(config.s3.endpoint)
+                options["endpoint_override"] = endpoint.netloc or config.s3.endpoint
+                options["scheme"] = endpoint.scheme or "https"
+            if access_key and secret_key:
+                options["access_key"] = access_key
+                options["secret_key"] = secret_key
+            if config.s3.path_style:
+                options["force_virtual_addressing"] = False
+            self.filesystem = fs.S3FileSystem(**options)
+            self.root = f"{parsed.netloc}{parsed.path}".rstrip("/")
+        self.url = config.url
+
+    def _full(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` at ``key`` (durably enough to be read back by another process)."""
+        directory = self._full(key).rsplit("/", 1)[0]
+        self.filesystem.create_dir(directory, recursive=True)
+        with self.filesystem.open_output_stream(self._full(key)) as stream:
+            stream.write(data)
+
+    def get(self, key: str) -> bytes:
+        with self.filesystem.open_input_stream(self._full(key)) as stream:
+            return stream.read()
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.filesystem.delete_file(self._full(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` (recursive)."""
+        selector = fs.FileSelector(self._full(prefix).rstrip("/"), recursive=True, allow_not_found=True)
+        base = len(self.root) + 1
+        return sorted(info.path[base:] for info in self.filesystem.get_file_info(selector) if info.is_file)
+
+    def uri(self, key: str) -> str:
+        """The key as a URL (for readers such as Spark)."""
+        return f"{self.url}/{key}"

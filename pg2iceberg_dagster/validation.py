@@ -1,0 +1,178 @@
+"""Startup validation: every invariant of DESIGN.md rule 1, each refusal saying what to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from .config import PipelineConfig
+from .coordination.store import CoordinationStore
+from .errors import StartupCheckError
+from .iceberg.types import iceberg_schema
+from .snapshot.chunks import MIN_CTID_RANGE_VERSION
+from .source.catalog import SourceTable, TypeResolver, describe_table, server_version
+from .source.connection import connect
+from .source.lsn import format_lsn, parse_lsn
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    plugin: str
+    database: str
+    confirmed_flush_lsn: int | None
+    wal_status: str | None
+    active_pid: int | None
+
+
+@dataclass(frozen=True)
+class StartupReport:
+    """What the checks found; the engine's entry points start from it."""
+
+    server_version: int
+    system_identifier: str
+    tables: dict[str, SourceTable]
+    slot: SlotInfo | None
+
+    @property
+    def ctid_chunking(self) -> bool:
+        return self.server_version >= MIN_CTID_RANGE_VERSION
+
+
+def identify_system(config: PipelineConfig) -> str:
+    """The source cluster's ``system_identifier`` (IDENTIFY_SYSTEM on a replication connection)."""
+    with connect(config.source, replication=True) as conn:
+        row = conn.execute("IDENTIFY_SYSTEM").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
+    row = conn.execute(
+        "SELECT plugin, database, confirmed_flush_lsn::text, wal_status, active_pid "
+        "FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
+    ).fetchone()
+    if row is None:
+        return None
+    return SlotInfo(row[0], row[1], parse_lsn(row[2]) if row[2] else None, row[3], row[4])
+
+
+def _check_server(conn: psycopg.Connection) -> None:
+    wal_level = conn.execute("SHOW wal_level").fetchone()[0]  # type: ignore[index]
+    if wal_level != "logical":
+        raise StartupCheckError(
+            f"wal_level is {wal_level!r} on the source; set wal_level = logical in postgresql.conf and restart"
+        )
+    privileged = conn.execute("SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    if not privileged or not privileged[0]:
+        user = conn.execute("SELECT current_user").fetchone()[0]  # type: ignore[index]
+        raise StartupCheckError(f"role {user} lacks the REPLICATION privilege; run ALTER ROLE {user} REPLICATION")
+
+
+def ensure_publication(conn: psycopg.Connection, config: PipelineConfig, tables: list[SourceTable]) -> None:
+    """The publication must exist (created when allowed), publish all operations and cover every table."""
+    name = config.replication.publication
+    row = conn.execute(
+        "SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = %s",
+        (name,),
+    ).fetchone()
+    if row is None:
+        if not config.replication.create_publication:
+            raise StartupCheckError(
+                f"publication {name} does not exist; create it FOR TABLE the configured tables, "
+                "or set replication.create_publication: true"
+            )
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(name),
+                sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables),
+            )
+        )
+        return
+    if not all(row[1:]):
+        raise StartupCheckError(
+            f"publication {name} does not publish insert, update, delete and truncate; "
+            f"run ALTER PUBLICATION {name} SET (publish = 'insert, update, delete, truncate')"
+        )
+    covered = {
+        f"{schema}.{table}"
+        for schema, table in conn.execute(
+            "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (name,)
+        )
+    }
+    missing = [t.key for t in tables if t.key not in covered]
+    if missing:
+        raise StartupCheckError(
+            f"publication {name} does not cover {', '.join(missing)}; "
+            f"run ALTER PUBLICATION {name} ADD TABLE {', '.join(missing)}"
+        )
+
+
+def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupReport:
+    """Run every startup check; raise StartupCheckError on the first breach."""
+    store.migrate()
+    system_identifier = identify_system(config)
+    with connect(config.source) as conn:
+        version = server_version(conn)
+        _check_server(conn)
+        resolver = TypeResolver(conn)
+        tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
+        for table in tables.values():
+            iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
+        ensure_publication(conn, config, list(tables.values()))
+        slot = slot_info(conn, config.replication.slot)
+        database = conn.info.dbname
+
+    meta = store.pipeline_meta()
+    if meta is not None:
+        if meta.system_identifier != system_identifier:
+            raise StartupCheckError(
+                f"the source cluster changed: coordination state belongs to system_identifier "
+                f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
+                "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
+            )
+        if meta.slot_name != config.replication.slot:
+            raise StartupCheckError(
+                f"coordination state was created with slot {meta.slot_name}, the config names "
+                f"{config.replication.slot}; restore the slot name or run cleanup --all"
+            )
+    for key, state in store.table_states().items():
+        if key in tables and state.pg_oid != tables[key].oid:
+            raise StartupCheckError(
+                f"{key} was dropped and recreated (pg_class.oid {state.pg_oid} -> {tables[key].oid}); "
+                f"its mirror is stale: run `pg2iceberg-dagster cleanup --table {key}` to snapshot it again"
+            )
+
+    slot_recorded = meta is not None and meta.consistent_point is not None
+    if slot is None and slot_recorded:
+        raise StartupCheckError(
+            f"replication slot {config.replication.slot} is gone but the pipeline created it; changes since "
+            "then are lost: run `pg2iceberg-dagster cleanup --all` and snapshot again"
+        )
+    if slot is not None:
+        if not slot_recorded:
+            raise StartupCheckError(
+                f"replication slot {config.replication.slot} exists but was not created by this pipeline; "
+                "drop it (SELECT pg_drop_replication_slot(...)) or configure another slot name"
+            )
+        if slot.plugin != "pgoutput" or slot.database != database:
+            raise StartupCheckError(
+                f"replication slot {config.replication.slot} uses plugin {slot.plugin} on database {slot.database}; "
+                f"expected pgoutput on {database}"
+            )
+        if slot.wal_status == "lost":
+            raise StartupCheckError(
+                f"replication slot {config.replication.slot} has lost required WAL (wal_status = lost); "
+                "run `pg2iceberg-dagster cleanup --all` and snapshot again"
+            )
+        flushed = store.flushed_lsn()
+        if flushed is not None and slot.confirmed_flush_lsn is not None and slot.confirmed_flush_lsn > flushed:
+            raise StartupCheckError(
+                f"replication slot {config.replication.slot} was advanced outside pg2iceberg (confirmed_flush_lsn "
+                f"{format_lsn(slot.confirmed_flush_lsn)} is ahead of the recorded {format_lsn(flushed)}); changes "
+                "in between were never staged: run cleanup --all and snapshot again"
+            )
+    store.stamp_pipeline(system_identifier, config.replication.slot, config.replication.publication)
+    return StartupReport(server_version=version, system_identifier=system_identifier, tables=tables, slot=slot)
