@@ -185,3 +185,19 @@ class EmbeddedPostgres:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
             if not exists:
                 conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pg2iceberg_dagster.embedded stop DIR``: stop a cluster started by the quickstart."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pg2iceberg_dagster.embedded")
+    parser.add_argument("action", choices=["stop"])
+    parser.add_argument("root", help="the cluster's directory (e.g. .pg2iceberg/pg)")
+    args = parser.parse_args(argv)
+    EmbeddedPostgres(Path(args.root), port=0).stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""Housekeeping: drop staged files every group has applied, orphans of failed registrations, or the
+whole state of one table (to snapshot it again) or of the pipeline."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from psycopg import sql
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
+
+from .config import PipelineConfig
+from .coordination.migrations import SCHEMA
+from .coordination.store import CoordinationStore
+from .iceberg.catalog import table_identifier
+from .source.connection import connect
+from .staging.store import ObjectStore
+
+
+@dataclass
+class CleanupResult:
+    files_deleted: int = 0
+    tables_reset: int = 0
+    slot_dropped: bool = False
+
+
+def _lsn_of_key(key: str) -> int | None:
+    name = key.rsplit("/", 1)[-1]
+    try:
+        return int(name.split("-", 1)[0], 16)
+    except ValueError:
+        return None
+
+
+def collect_garbage(config: PipelineConfig, store: CoordinationStore) -> CleanupResult:
+    """Delete applied staged files and unregistered uploads at or below the flushed LSN."""
+    objects = ObjectStore(config.staging)
+    result = CleanupResult()
+    flushed = store.flushed_lsn() or 0
+    for table in config.tables:
+        for path in store.delete_log_entries_before(table.key, store.min_mat_cursor(table.key)):
+            objects.delete(path)
+            result.files_deleted += 1
+        registered = {entry.path for entry in store.log_entries(table.key, -1)}
+        for key in objects.list(f"{table.key}/"):
+            lsn = _lsn_of_key(key)
+            # A file newer than flushed_lsn may belong to a flush that is registering right now.
+            if key not in registered and lsn is not None and lsn <= flushed:
+                objects.delete(key)
+                result.files_deleted += 1
+    return result
+
+
+def reset_table(config: PipelineConfig, store: CoordinationStore, catalog: Catalog, table_key: str) -> None:
+    """Forget a table (state, staged log, cursor) and drop its Iceberg table; the next snapshot redoes it."""
+    objects = ObjectStore(config.staging)
+    with store.conn.transaction():
+        paths = store.delete_log_entries_before(table_key, 2**62)
+        for statement in (
+            "DELETE FROM _pg2iceberg.tables WHERE table_name = %s",
+            "DELETE FROM _pg2iceberg.log_seq WHERE table_name = %s",
+            "DELETE FROM _pg2iceberg.mat_cursor WHERE table_name = %s",
+        ):
+            store.conn.execute(statement, (table_key,))
+    for path in paths:
+        objects.delete(path)
+    with contextlib.suppress(NoSuchTableError):
+        catalog.drop_table(table_identifier(config, config.table(table_key)))
+
+
+def reset_all(config: PipelineConfig, store: CoordinationStore, catalog: Catalog) -> CleanupResult:
+    """Drop the slot, the coordination schema, the Iceberg tables and the staged files."""
+    result = CleanupResult()
+    for table in config.tables:
+        with contextlib.suppress(NoSuchTableError):
+            catalog.drop_table(table_identifier(config, table))
+        result.tables_reset += 1
+    objects = ObjectStore(config.staging)
+    for key in objects.list():
+        objects.delete(key)
+        result.files_deleted += 1
+    with connect(config.source) as conn:
+        dropped = conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+            (config.replication.slot,),
+        ).fetchall()
+        result.slot_dropped = bool(dropped)
+    store.conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
+    return result

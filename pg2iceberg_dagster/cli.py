@@ -1,0 +1,268 @@
+"""``pg2iceberg-dagster``: the engine's command line (no Dagster needed).
+
+Exit codes: 0 success, 1 error, 2 bad configuration, 3 a startup check refused, 4 the slot or a
+table lease is held by another process, 5 verify found differences, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .config import load_config
+from .errors import Pg2IcebergError
+from .pipeline import Pipeline
+from .source.lsn import format_lsn
+from .verify import TableDiff
+
+DEFAULT_CONFIG = "pg2iceberg.yaml"
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+def _progress(total: int | None, unit: str, desc: str) -> tqdm:
+    return tqdm(total=total, unit=unit, desc=desc, disable=None, file=sys.stderr)
+
+
+def cmd_validate(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    report = pipeline.validate()
+    print(f"ok: PostgreSQL {report.server_version}, system_identifier {report.system_identifier}")
+    print(f"    CTID chunking: {'on' if report.ctid_chunking else 'off (PostgreSQL < 14: one chunk per table)'}")
+    print(f"    slot {pipeline.config.replication.slot}: {'exists' if report.slot else 'not created yet'}")
+    for key, table in report.tables.items():
+        print(f"    {key}: {len(table.columns)} columns, primary key ({', '.join(table.primary_key)})")
+    return 0
+
+
+def cmd_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    bar = _progress(None, "chunk", "snapshot")
+
+    def on_plan(total: int) -> None:
+        bar.reset(total=total)
+
+    try:
+        results = pipeline.snapshot(on_chunk=lambda chunk, rows: bar.update(1), on_plan=on_plan)
+    finally:
+        bar.close()
+    if not results:
+        print("snapshot already complete for every table")
+    for key, result in results.items():
+        modes = ", ".join(sorted(result.read_modes)) or "-"
+        print(
+            f"{key}: {result.rows} rows in {result.chunks_run} chunks ({result.chunks_skipped} already done; {modes})"
+        )
+    return 0
+
+
+def cmd_stream(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    stop = _stop_on_signals()
+    bar = _progress(None, "change", "stream")
+    last = [0]
+
+    def on_flush(stats) -> None:  # type: ignore[no-untyped-def]
+        bar.update(stats.changes - last[0])
+        last[0] = stats.changes
+        bar.set_postfix(flushed_lsn=format_lsn(stats.flushed_lsn), files=stats.files)
+
+    try:
+        stats = pipeline.stream(
+            stop, until_caught_up=args.until_caught_up, max_seconds=args.max_seconds, on_flush=on_flush
+        )
+    finally:
+        bar.close()
+    print(
+        f"staged {stats.changes} changes of {stats.transactions} transactions in {stats.files} files; "
+        f"flushed_lsn {format_lsn(stats.flushed_lsn)}"
+    )
+    return 0
+
+
+def _print_merge(results) -> None:  # type: ignore[no-untyped-def]
+    for key, result in results.items():
+        if result.waiting_for_snapshot:
+            print(f"{key}: waiting for its snapshot to complete")
+        else:
+            print(
+                f"{key}: {result.changes} changes ({result.upserts} upserts, {result.deletes} deletes) "
+                f"in {result.batches} batches; mat_cursor {result.cursor}/{result.head}"
+            )
+
+
+def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    tables = args.table or None
+    if args.once:
+        _print_merge(pipeline.materialize(tables))
+        return 0
+    stop = _stop_on_signals()
+    pipeline.validate()
+    materializer = pipeline.materializer()
+    while not stop.is_set():
+        _print_merge({k: r for k, r in materializer.run_once(tables).items() if r.batches})
+        stop.wait(pipeline.config.materialize.interval_seconds)
+    return 0
+
+
+def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    pipeline.run(_stop_on_signals())
+    return 0
+
+
+def print_diffs(diffs: Sequence[TableDiff]) -> bool:
+    """Print a verify report; True when every table matches."""
+    ok = True
+    for diff in diffs:
+        if diff.only_in_pg == -1:
+            print(f"{diff.table}: MISSING (no Iceberg table)")
+            ok = False
+            continue
+        state = "OK" if diff.ok else "DIFFERENT"
+        ok = ok and diff.ok
+        print(
+            f"{diff.table}: {state} pg={diff.pg_rows} iceberg={diff.iceberg_rows} only_in_pg={diff.only_in_pg} "
+            f"only_in_iceberg={diff.only_in_iceberg} different={diff.different} duplicate_keys={diff.duplicate_keys}"
+        )
+        for kind, keys in diff.examples.items():
+            print(f"    {kind}: {keys}")
+    return ok
+
+
+def cmd_verify(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    if args.catch_up:
+        pipeline.catch_up()
+    return 0 if print_diffs(pipeline.verify()) else 5
+
+
+def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    status = pipeline.status()
+    if args.json:
+        print(json.dumps({**status, "tables": [asdict(t) | {"lag": t.lag} for t in status["tables"]]}, indent=2))
+        return 0
+    slot = status["slot"]
+    print(f"slot: {json.dumps(slot) if slot else 'not created'}; flushed_lsn: {status['flushed_lsn']}")
+    for t in status["tables"]:
+        snap = "complete" if t.snapshot_complete else f"{t.chunks_done}/{t.chunks_total} chunks"
+        print(f"{t.table}: snapshot {snap}; staged log head {t.log_head}, mat_cursor {t.mat_cursor}, lag {t.lag}")
+    return 0
+
+
+def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    from .cleanup import collect_garbage, reset_all, reset_table
+
+    pipeline.store.migrate()
+    if args.all:
+        if not args.yes:
+            print(
+                "cleanup --all drops the slot, the coordination state, the Iceberg tables and staged files; "
+                "add --yes to confirm",
+                file=sys.stderr,
+            )
+            return 2
+        result = reset_all(pipeline.config, pipeline.store, pipeline.catalog)
+        print(
+            f"dropped slot: {result.slot_dropped}; tables reset: {result.tables_reset}; "
+            f"files deleted: {result.files_deleted}"
+        )
+        return 0
+    for table in args.table or []:
+        reset_table(pipeline.config, pipeline.store, pipeline.catalog, pipeline.config.table(table).key)
+        print(f"{table}: state and Iceberg table dropped; run `snapshot` to mirror it again")
+    if not args.table:
+        result = collect_garbage(pipeline.config, pipeline.store)
+        print(f"deleted {result.files_deleted} staged files")
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from .quickstart import run_quickstart
+
+    return run_quickstart(Path(args.dir), port=args.port, seconds=args.seconds, rows=args.rows)
+
+
+COMMANDS = {
+    "validate": (cmd_validate, "run every startup check and describe the tables"),
+    "snapshot": (cmd_snapshot, "take (or resume) the consistent initial snapshot"),
+    "stream": (cmd_stream, "run the WAL flusher into the staged log"),
+    "materialize": (cmd_materialize, "merge the staged log into Iceberg with Spark"),
+    "run": (cmd_run, "snapshot, then stream and materialize in one process until interrupted"),
+    "verify": (cmd_verify, "compare PostgreSQL and Iceberg row by row (exit 5 on differences)"),
+    "status": (cmd_status, "show slot, flushed LSN, snapshot progress and lag per table"),
+    "cleanup": (cmd_cleanup, "delete applied staged files, or reset a table or the whole pipeline"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pg2iceberg-dagster",
+        description="Mirror PostgreSQL tables into Apache Iceberg: consistent snapshot, staged WAL, Spark MERGE.",
+    )
+    parser.add_argument(
+        "-c",
+        "--config",
+        default=os.environ.get("PG2ICEBERG_CONFIG", DEFAULT_CONFIG),
+        help="pipeline YAML (default: $PG2ICEBERG_CONFIG or ./pg2iceberg.yaml)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "stream":
+            command.add_argument(
+                "--until-caught-up", action="store_true", help="stop once the WAL position at start is flushed"
+            )
+            command.add_argument("--max-seconds", type=float, help="stop after this many seconds")
+        if name == "materialize":
+            command.add_argument("--once", action="store_true", help="one pass up to the current head, then exit")
+            command.add_argument("--table", action="append", help="only this table (repeatable)")
+        if name == "verify":
+            command.add_argument(
+                "--catch-up", action="store_true", help="flush and merge up to the current WAL position first"
+            )
+        if name == "status":
+            command.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "cleanup":
+            command.add_argument("--table", action="append", help="reset this table so it is snapshotted again")
+            command.add_argument("--all", action="store_true", help="reset the whole pipeline")
+            command.add_argument("--yes", action="store_true", help="confirm --all")
+    quick = sub.add_parser("quickstart", help="start a local Postgres with live writes and replicate it end to end")
+    quick.add_argument("--dir", default=".pg2iceberg", help="where the cluster, staging and warehouse live")
+    quick.add_argument("--port", type=int, default=54329, help="port of the local Postgres")
+    quick.add_argument("--seconds", type=float, default=20.0, help="how long the live writes run")
+    quick.add_argument("--rows", type=int, default=50_000, help="rows in the sample orders table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "quickstart":
+            return cmd_quickstart(args)
+        with Pipeline(load_config(args.config)) as pipeline:
+            return COMMANDS[args.command][0](pipeline, args)
+    except Pg2IcebergError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
