@@ -147,7 +147,7 @@ class Pipeline:
 
     def verify(self) -> list[TableDiff]:
         """Compare every table, all read in one REPEATABLE READ transaction of the source."""
-        report = self.validate()
+        report = self.validate(refresh=True)  # columns may have changed since the last check
         diffs = []
         with connect(self.config.source, autocommit=False) as conn:
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")

@@ -20,7 +20,7 @@ from ..coordination.store import CoordinationStore, StagedFile
 from ..source import pgoutput
 from ..source.catalog import SourceColumn, SourceTable, TypeResolver
 from ..source.connection import connect
-from ..source.lsn import format_lsn
+from ..source.lsn import parse_lsn
 from ..source.replication import ReplicationStream
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, Change, StagedRelation, encode
 from ..staging.store import ObjectStore
@@ -109,10 +109,13 @@ class Flusher:
         self._catalog_conn.close()
 
     def current_wal_lsn(self) -> int:
-        """The source's current WAL insert position (the target for 'until caught up')."""
-        from ..source.lsn import parse_lsn
+        """The source's WAL insert position: every transaction committed so far ends at or before it.
 
-        return parse_lsn(self._catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        (``pg_current_wal_lsn()`` is the write position, which an asynchronous commit may not have reached.)
+        """
+        row = self._catalog_conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+        assert row is not None
+        return parse_lsn(row[0])
 
     def run(
         self,
@@ -281,8 +284,3 @@ class Flusher:
             changes.append((info.relation, Change(DELETE, lsn, commit_ts, xid, key_of(message.old))))  # type: ignore[arg-type]
         changes.append((info.relation, Change(UPDATE, lsn, commit_ts, xid, data, unchanged)))  # type: ignore[arg-type]
         return changes
-
-
-def describe_lsn(lsn: int) -> str:
-    """Human form of an LSN for logs and metadata."""
-    return format_lsn(lsn)

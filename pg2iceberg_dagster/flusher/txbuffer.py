@@ -39,7 +39,8 @@ class TransactionBuffer:
         self._entries.append((relation, change))
         self._size += _estimate(change)
         if self._size > self._memory_bytes:
-            self._spill = tempfile.TemporaryFile(dir=self._spill_dir, prefix="pg2iceberg-txn-")
+            # Closed by clear(); it outlives this call by design.
+            self._spill = tempfile.TemporaryFile(dir=self._spill_dir, prefix="pg2iceberg-txn-")  # noqa: SIM115
             for entry in self._entries:
                 pickle.dump(entry, self._spill, protocol=pickle.HIGHEST_PROTOCOL)
             self._entries = []

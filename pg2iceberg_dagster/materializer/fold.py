@@ -25,6 +25,10 @@ class FoldedRow:
     data: dict[str, str | None]
     unchanged: frozenset[str] = frozenset()
     relation: StagedRelation | None = None
+    # After a primary-key change, unchanged columns come from the row under this (old) key.
+    fill_from_key: tuple[str | None, ...] | None = None
+    # Typed values already looked up for unchanged columns (see materializer.merge).
+    filled: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,6 +42,7 @@ class FoldResult:
 def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key: Sequence[str]) -> FoldResult:
     """Fold staged files (in log order) into the net change per primary key."""
     result = FoldResult()
+    last_delete: tuple[int, tuple[str | None, ...], FoldedRow | None] | None = None
     for relation, changes in batches:
         if relation not in result.relations:
             result.relations.append(relation)
@@ -50,17 +55,28 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
                 continue
             key = tuple(change.data[name] for name in primary_key)
             if change.op == DELETE:
+                last_delete = (change.lsn, key, result.rows.get(key))
                 result.rows[key] = FoldedRow(DELETE, dict(change.data))
                 continue
             data = dict(change.data)
             # Columns of the Iceberg table that this change does not carry keep their current value.
             unchanged = set(change.unchanged)
             previous = result.rows.get(key)
+            fill_from_key = None
+            if last_delete is not None and last_delete[0] == change.lsn and last_delete[1] != key:
+                # The flusher stages a key-changing UPDATE as DELETE(old key) + UPDATE at one LSN: the
+                # unchanged columns belong to the old key's row.
+                old_key, previous = last_delete[1], last_delete[2]
+                fill_from_key = old_key
+                if previous is not None and previous.op == UPSERT and previous.fill_from_key is not None:
+                    fill_from_key = previous.fill_from_key
             if unchanged and previous is not None and previous.op == UPSERT:
                 for name in list(unchanged):
                     if name in previous.data:
                         data[name] = previous.data[name]
                         unchanged.discard(name)
                 unchanged |= previous.unchanged & column_names
-            result.rows[key] = FoldedRow(UPSERT, data, frozenset(unchanged), relation)
+            result.rows[key] = FoldedRow(
+                UPSERT, data, frozenset(unchanged), relation, fill_from_key if unchanged else None
+            )
     return result

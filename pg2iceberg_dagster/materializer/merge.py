@@ -116,12 +116,14 @@ def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
         for name in columns:
             text = row.data.get(name)
             loader = loaders.get(name)
-            if text is None or loader is None:
+            if name in row.filled:
+                values[name].append(row.filled[name])
+            elif text is None or loader is None:
                 values[name].append(None)
             else:
                 values[name].append(loader(text.encode()))
         ops.append(row.op)
-        unchanged.append(sorted(row.unchanged | (set(missing) if row.op != DELETE else set())))
+        unchanged.append(sorted((row.unchanged - row.filled.keys()) | (set(missing) if row.op != DELETE else set())))
     arrays = []
     for field, spark_field in zip(iceberg_arrow, spark_schema, strict=True):
         column_values = values[field.name]
@@ -134,6 +136,29 @@ def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
         pa.field(UNCHANGED_COLUMN, pa.list_(pa.string()))
     )
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def fill_moved_keys(folded: FoldResult, table: Table, key: list[str]) -> None:
+    """Fill unchanged columns of rows whose primary key changed from the old key's row in Iceberg."""
+    moved = [row for row in folded.rows.values() if row.fill_from_key is not None and row.unchanged]
+    if not moved:
+        return
+    schema = arrow_schema(table.schema())
+    text_keys = {row.fill_from_key for row in moved}
+    current: dict[tuple[str, ...], dict[str, Any]] = {}
+    for record in table.scan().to_arrow().cast(schema).to_pylist():
+        # Compare in text form: the staged key values are PostgreSQL text.
+        record_key = tuple(_key_text(record[k]) for k in key)
+        if record_key in text_keys:
+            current[record_key] = record
+    for row in moved:
+        old = current.get(row.fill_from_key)  # type: ignore[arg-type]
+        if old is not None:
+            row.filled = {name: old[name] for name in row.unchanged if name in old}
+
+
+def _key_text(value: Any) -> str:
+    return str(value) if not isinstance(value, bool) else ("t" if value else "f")
 
 
 def _key_loaders(folded: FoldResult, data: dict[str, str | None]) -> dict[str, Callable[[bytes], Any]]:
@@ -210,6 +235,7 @@ class Materializer:
             skip = max(0, cursor - entry.start_offset)
             batches.append((relation, changes[skip:]))
         folded = fold(batches, key)
+        fill_moved_keys(folded, table, key)
         changes = []
         for relation in folded.relations:
             changes.extend(evolve_schema(table, relation.columns))
