@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Quick start, command 2: the test suite (a throwaway PostgreSQL and one Spark session are started by
+# the tests themselves). Pytest's exit code 5 ("no tests collected") is a failure here, never a pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/pytest ] || bash scripts/setup.sh
+.venv/bin/ruff check pg2iceberg_dagster tests || exit 1
+.venv/bin/pytest -p no:cacheprovider "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+  echo "pytest collected no tests: treating as failure" >&2
+  exit 1
+fi
+exit "$status"
