@@ -114,6 +114,13 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
     """Run every startup check; raise StartupCheckError on the first breach."""
     store.migrate()
     system_identifier = identify_system(config)
+    meta = store.pipeline_meta()
+    if meta is not None and meta.system_identifier != system_identifier:
+        raise StartupCheckError(
+            f"the source cluster changed: coordination state belongs to system_identifier "
+            f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
+            "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
+        )
     with connect(config.source) as conn:
         version = server_version(conn)
         _check_server(conn)
@@ -121,30 +128,22 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
         tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
         for table in tables.values():
             iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
+        for key, state in store.table_states().items():
+            if key in tables and state.pg_oid != tables[key].oid:
+                raise StartupCheckError(
+                    f"{key} was dropped and recreated (pg_class.oid {state.pg_oid} -> {tables[key].oid}); "
+                    f"its mirror is stale: run `pg2iceberg-dagster cleanup --table {key}` to snapshot it again"
+                )
+
         ensure_publication(conn, config, list(tables.values()))
         slot = slot_info(conn, config.replication.slot)
         database = conn.info.dbname
 
-    meta = store.pipeline_meta()
-    if meta is not None:
-        if meta.system_identifier != system_identifier:
-            raise StartupCheckError(
-                f"the source cluster changed: coordination state belongs to system_identifier "
-                f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
-                "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
-            )
-        if meta.slot_name != config.replication.slot:
-            raise StartupCheckError(
-                f"coordination state was created with slot {meta.slot_name}, the config names "
-                f"{config.replication.slot}; restore the slot name or run cleanup --all"
-            )
-    for key, state in store.table_states().items():
-        if key in tables and state.pg_oid != tables[key].oid:
-            raise StartupCheckError(
-                f"{key} was dropped and recreated (pg_class.oid {state.pg_oid} -> {tables[key].oid}); "
-                f"its mirror is stale: run `pg2iceberg-dagster cleanup --table {key}` to snapshot it again"
-            )
-
+    if meta is not None and meta.slot_name != config.replication.slot:
+        raise StartupCheckError(
+            f"coordination state was created with slot {meta.slot_name}, the config names "
+            f"{config.replication.slot}; restore the slot name or run cleanup --all"
+        )
     slot_recorded = meta is not None and meta.consistent_point is not None
     if slot is None and slot_recorded:
         raise StartupCheckError(
