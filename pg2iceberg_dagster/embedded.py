@@ -46,6 +46,10 @@ class EmbeddedPostgres:
     port: int
     superuser: str = "postgres"
 
+    def __post_init__(self) -> None:
+        # The server resolves paths from its own data directory: hand it absolute ones.
+        self.root = Path(self.root).resolve()
+
     @property
     def data_dir(self) -> Path:
         return self.root / "data"
