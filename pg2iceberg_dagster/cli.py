@@ -122,6 +122,18 @@ def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hold_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    from .snapshot.holder import hold_snapshot
+
+    held = hold_snapshot(pipeline.config, _stop_on_signals(), max_seconds=args.max_seconds)
+    print(
+        "held the exported snapshot until the snapshot completed"
+        if held
+        else "nothing to hold: the slot already exists or another holder runs"
+    )
+    return 0
+
+
 def print_diffs(diffs: Sequence[TableDiff]) -> bool:
     """Print a verify report; True when every table matches."""
     ok = True
@@ -201,6 +213,10 @@ COMMANDS = {
     "run": (cmd_run, "snapshot, then stream and materialize in one process until interrupted"),
     "verify": (cmd_verify, "compare PostgreSQL and Iceberg row by row (exit 5 on differences)"),
     "status": (cmd_status, "show slot, flushed LSN, snapshot progress and lag per table"),
+    "hold-snapshot": (
+        cmd_hold_snapshot,
+        "create the slot and keep its exported snapshot open for chunk runs in other processes",
+    ),
     "cleanup": (cmd_cleanup, "delete applied staged files, or reset a table or the whole pipeline"),
 }
 
@@ -231,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             command.add_argument(
                 "--catch-up", action="store_true", help="flush and merge up to the current WAL position first"
+            )
+        if name == "hold-snapshot":
+            command.add_argument(
+                "--max-seconds",
+                type=float,
+                default=6 * 3600,
+                help="give up after this long (the snapshot holds back the source's xmin)",
             )
         if name == "status":
             command.add_argument("--json", action="store_true", help="machine-readable output")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 from psycopg.conninfo import make_conninfo
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -26,7 +26,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _secret_from_env(variable: str | None, what: str) -> str | None:
+def secret_from_env(variable: str | None, what: str) -> str | None:
+    """The value of the environment variable ``variable`` (None when no variable is named)."""
     if variable is None:
         return None
     value = os.environ.get(variable)
@@ -43,9 +44,17 @@ class PostgresConnection(_Strict):
     dbname: str
     user: str = "postgres"
     password_env: str | None = None
+    # Set only programmatically (e.g. from a Dagster EnvVar); never shown, never serialized.
+    password: SecretStr | None = Field(default=None, exclude=True, repr=False)
     sslmode: str | None = None
     connect_timeout: int = Field(10, ge=1)
     application_name: str = "pg2iceberg-dagster"
+
+    def resolved_password(self) -> str | None:
+        """The password: set programmatically, or read now from ``password_env``."""
+        if self.password is not None:
+            return self.password.get_secret_value()
+        return secret_from_env(self.password_env, "password_env")
 
     def conninfo(self, **overrides: Any) -> str:
         """libpq connection string, password resolved from the environment now."""
@@ -57,7 +66,7 @@ class PostgresConnection(_Strict):
             "connect_timeout": self.connect_timeout,
             "application_name": self.application_name,
         }
-        password = _secret_from_env(self.password_env, "password_env")
+        password = self.resolved_password()
         if password is not None:
             params["password"] = password
         if self.sslmode:
@@ -130,8 +139,8 @@ class S3Config(_Strict):
     def credentials(self) -> tuple[str | None, str | None]:
         """(access key id, secret key) from the named variables, or (None, None) for the default chain."""
         return (
-            _secret_from_env(self.access_key_id_env, "s3.access_key_id_env"),
-            _secret_from_env(self.secret_access_key_env, "s3.secret_access_key_env"),
+            secret_from_env(self.access_key_id_env, "s3.access_key_id_env"),
+            secret_from_env(self.secret_access_key_env, "s3.secret_access_key_env"),
         )
 
 

@@ -44,8 +44,9 @@ class TableStatus:
 class Pipeline:
     """One configured pipeline. Opens connections lazily; close it when done."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, spark_factory: Any = None) -> None:
         self.config = config
+        self._spark_factory = spark_factory or (lambda: build_spark_session(config))
         self.store = CoordinationStore(config.state_connection)
         self._catalog: Catalog | None = None
         self._report: StartupReport | None = None
@@ -69,7 +70,7 @@ class Pipeline:
     def spark(self) -> Any:
         """The shared Spark session (created on first use)."""
         if self._spark is None:
-            self._spark = build_spark_session(self.config)
+            self._spark = self._spark_factory()
         return self._spark
 
     def validate(self, refresh: bool = False) -> StartupReport:

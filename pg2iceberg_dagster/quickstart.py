@@ -51,6 +51,15 @@ def config_for(root: Path, port: int) -> dict:
     }
 
 
+def write_default_config(root: Path, port: int = 54329) -> Path:
+    """Write the quickstart config into ``root`` unless one is there; returns its path."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "pg2iceberg.yaml"
+    if not path.exists():
+        path.write_text(yaml.safe_dump(config_for(root, port), sort_keys=False))
+    return path
+
+
 def seed(conninfo: str, rows: int) -> None:
     """Create and fill the sample tables once."""
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -107,9 +116,7 @@ def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: i
     postgres.start()
     postgres.create_database("app")
     postgres.create_database("iceberg_catalog")
-    config_path = root / "pg2iceberg.yaml"
-    if not config_path.exists():
-        config_path.write_text(yaml.safe_dump(config_for(root, port), sort_keys=False))
+    config_path = write_default_config(root, port)
     seed(postgres.conninfo("app"), rows)
     config = load_config(config_path)
     stop_writes = threading.Event()

@@ -85,6 +85,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        2,
+        """
+        -- The name of the slot's exported snapshot while a holder process keeps it importable
+        -- (chunk runs in other processes read under it). Not a credential.
+        ALTER TABLE _pg2iceberg.pipeline_meta ADD COLUMN exported_snapshot text;
+        """,
+    ),
 ]
 
 

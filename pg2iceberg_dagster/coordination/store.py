@@ -127,6 +127,20 @@ class CoordinationStore:
                 (format_lsn(consistent_point),),
             )
 
+    def publish_exported_snapshot(self, name: str | None) -> None:
+        """Advertise (or withdraw) the exported snapshot a holder process keeps open."""
+        self.conn.execute("UPDATE _pg2iceberg.pipeline_meta SET exported_snapshot = %s", (name,))
+
+    def exported_snapshot(self, holder_lock: int) -> str | None:
+        """The advertised exported snapshot, if the holder that advertised it still holds its lock."""
+        row = self.conn.execute(
+            "SELECT exported_snapshot FROM _pg2iceberg.pipeline_meta WHERE exported_snapshot IS NOT NULL AND "
+            "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 AND objid = %s "
+            "AND objsubid = 1)",
+            (holder_lock,),
+        ).fetchone()
+        return row[0] if row else None
+
     def flushed_lsn(self) -> int | None:
         row = self.conn.execute("SELECT lsn::text FROM _pg2iceberg.flushed_lsn").fetchone()
         return _lsn(row[0]) if row else None

@@ -13,7 +13,7 @@ from pyiceberg.table import Table
 from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, StringType
 from sqlalchemy.engine import URL
 
-from ..config import PipelineConfig, TableConfig, _secret_from_env
+from ..config import PipelineConfig, TableConfig, secret_from_env
 from ..errors import UnsupportedTypeError
 from ..source.catalog import SourceColumn, SourceTable
 from .types import iceberg_schema, iceberg_type
@@ -30,7 +30,7 @@ def catalog_properties(config: PipelineConfig) -> dict[str, str]:
         url = URL.create(
             "postgresql+psycopg",
             username=pg.user,
-            password=_secret_from_env(pg.password_env, "password_env"),
+            password=pg.resolved_password(),
             host=pg.host,
             port=pg.port,
             database=pg.dbname,
@@ -38,7 +38,7 @@ def catalog_properties(config: PipelineConfig) -> dict[str, str]:
         properties.update(type="sql", uri=url.render_as_string(hide_password=False))
     elif catalog.type == "rest":
         properties.update(type="rest", uri=catalog.uri or "")
-        credential = _secret_from_env(catalog.credential_env, "iceberg.catalog.credential_env")
+        credential = secret_from_env(catalog.credential_env, "iceberg.catalog.credential_env")
         if credential:
             properties["credential"] = credential
     else:

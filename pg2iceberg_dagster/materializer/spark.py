@@ -7,7 +7,7 @@ import os
 from importlib.util import find_spec
 from pathlib import Path
 
-from ..config import PipelineConfig, _secret_from_env
+from ..config import PipelineConfig
 from ..errors import ConfigError
 
 PGJDBC_JAR = "/usr/share/java/postgresql.jar"
@@ -54,7 +54,7 @@ def spark_conf(config: PipelineConfig) -> dict[str, str]:
                 f"{prefix}.jdbc.schema-version": "V1",
             }
         )
-        password = _secret_from_env(pg.password_env, "password_env")
+        password = pg.resolved_password()
         if password:
             conf[f"{prefix}.jdbc.password"] = password
     elif catalog.type == "rest":

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-import psycopg
 from pyiceberg.catalog import Catalog
 
 from ..config import PipelineConfig
@@ -22,8 +21,7 @@ from ..coordination.store import Chunk, CoordinationStore
 from ..iceberg.catalog import ensure_table, table_identifier
 from ..source.catalog import SourceTable, table_pages
 from ..source.connection import connect
-from ..source.replication import create_slot_with_snapshot
-from ..validation import StartupReport
+from ..validation import StartupReport, slot_info
 from .chunks import (
     arrow_schema_for,
     chunk_marker,
@@ -32,6 +30,7 @@ from .chunks import (
     plan_chunks,
     read_chunk,
 )
+from .holder import SnapshotHolder, holder_lock_key, spawn_holder, wait_for_advertised_snapshot
 
 ChunkCallback = Callable[[Chunk, int], None]
 
@@ -43,26 +42,6 @@ class TableSnapshotResult:
     chunks_skipped: int = 0
     read_modes: set[str] = field(default_factory=set)
     complete: bool = False
-
-
-class SnapshotHolder:
-    """Creates the slot and holds its exported snapshot open until closed."""
-
-    def __init__(self, config: PipelineConfig, store: CoordinationStore) -> None:
-        self._conn: psycopg.Connection = connect(config.source, replication=True)
-        created = create_slot_with_snapshot(self._conn, config.replication.slot)
-        store.record_slot_created(created.consistent_point)
-        self.snapshot_name = created.snapshot_name
-        self.consistent_point = created.consistent_point
-
-    def close(self) -> None:
-        self._conn.close()
-
-    def __enter__(self) -> SnapshotHolder:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class SnapshotRunner:
@@ -111,6 +90,33 @@ class SnapshotRunner:
         self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
         return data.rows.num_rows
 
+    def run_partitions(
+        self, table_key: str, partition_keys: Iterable[str], config_path: str, holder_max_seconds: float = 6 * 3600
+    ) -> TableSnapshotResult:
+        """Run the chunks named by partition keys (``ctid_000000_002048``...) of one table.
+
+        For runs in separate processes (Dagster): when the slot does not exist yet, a holder process
+        is started to create it and keep its exported snapshot open for every chunk run that follows;
+        otherwise the snapshot a live holder advertises is imported, or, with no holder left (after a
+        crash), chunks read under REPEATABLE READ and are upserted.
+        """
+        table = self.report.tables[table_key]
+        chunks = {chunk.partition_key: chunk for chunk in self.store.chunks(table_key) or self.plan(table, None)}
+        unknown = sorted(set(partition_keys) - chunks.keys())
+        if unknown:
+            raise ValueError(f"{table_key}: unknown chunk partitions {unknown}; the chunk plan has {sorted(chunks)}")
+        result = TableSnapshotResult()
+        pending = [chunks[key] for key in partition_keys if not chunks[key].done]
+        result.chunks_skipped = len(list(partition_keys)) - len(pending)
+        if pending:
+            snapshot_name = self.advertised_snapshot()
+            if snapshot_name is None and slot_info_missing(self.config):
+                process = spawn_holder(config_path, holder_max_seconds)
+                snapshot_name = wait_for_advertised_snapshot(self.store, self.config, process)
+            self.run_chunks([(table, chunk) for chunk in pending], snapshot_name, {table_key: result})
+        result.complete = self.complete_if_done(table_key)
+        return result
+
     def complete_if_done(self, table_key: str) -> bool:
         """Mark the table's snapshot complete once every chunk is done."""
         if all(chunk.done for chunk in self.store.chunks(table_key)):
@@ -128,7 +134,7 @@ class SnapshotRunner:
             return results
         holder = SnapshotHolder(self.config, self.store) if self.report.slot is None else None
         try:
-            snapshot_name = holder.snapshot_name if holder else None
+            snapshot_name = holder.snapshot_name if holder else self.advertised_snapshot()
             work: list[tuple[SourceTable, Chunk]] = []
             for table in pending:
                 for chunk in self.plan(table, holder.consistent_point if holder else None):
@@ -138,7 +144,7 @@ class SnapshotRunner:
                         work.append((table, chunk))
             if on_plan:
                 on_plan(len(work))
-            self._run_parallel(work, snapshot_name, results, on_chunk)
+            self.run_chunks(work, snapshot_name, results, on_chunk)
         finally:
             if holder:
                 holder.close()
@@ -146,13 +152,19 @@ class SnapshotRunner:
             results[table.key].complete = self.complete_if_done(table.key)
         return results
 
-    def _run_parallel(
+    def advertised_snapshot(self) -> str | None:
+        """The exported snapshot a holder process keeps open, if one does."""
+        return self.store.exported_snapshot(holder_lock_key(self.config))
+
+    def run_chunks(
         self,
         work: Iterable[tuple[SourceTable, Chunk]],
         snapshot_name: str | None,
         results: dict[str, TableSnapshotResult],
-        on_chunk: ChunkCallback | None,
+        on_chunk: ChunkCallback | None = None,
     ) -> None:
+        """Run chunks in parallel (up to ``snapshot.parallelism``), adding to ``results``; the first
+        failure cancels what has not started and is raised."""
         mode = "exported_snapshot" if snapshot_name else "repeatable_read"
         with ThreadPoolExecutor(max_workers=self.config.snapshot.parallelism, thread_name_prefix="chunk") as pool:
             futures = {
@@ -172,3 +184,9 @@ class SnapshotRunner:
                 for future in futures:
                     future.cancel()
                 raise
+
+
+def slot_info_missing(config: PipelineConfig) -> bool:
+    """True while the replication slot does not exist (its snapshot can still be exported)."""
+    with connect(config.source) as conn:
+        return slot_info(conn, config.replication.slot) is None

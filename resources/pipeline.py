@@ -1,0 +1,46 @@
+"""The pipeline resource: the engine's YAML config, with secrets supplied through Dagster ``EnvVar``."""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from pg2iceberg_dagster.config import PipelineConfig, PostgresConnection, load_config
+from pg2iceberg_dagster.pipeline import Pipeline
+
+
+class PostgresResource(ConfigurableResource):
+    """Connection to the source PostgreSQL; pass the password as ``EnvVar("...")``."""
+
+    host: str = "127.0.0.1"
+    port: int = 5432
+    dbname: str
+    user: str = "postgres"
+    password: str | None = Field(default=None, description="use dg.EnvVar; never a literal")
+
+    def connection(self) -> PostgresConnection:
+        """The engine's connection settings (the password stays out of every repr)."""
+        return PostgresConnection(
+            host=self.host, port=self.port, dbname=self.dbname, user=self.user, password=self.password
+        )
+
+
+class Pg2IcebergResource(ConfigurableResource):
+    """The replication pipeline described by ``config_path``; ``source`` overrides its source connection."""
+
+    config_path: str
+    source: PostgresResource | None = None
+
+    def load_config(self) -> PipelineConfig:
+        config = load_config(self.config_path)
+        if self.source is not None:
+            config = config.model_copy(update={"source": self.source.connection()})
+        return config
+
+    @contextmanager
+    def pipeline(self, spark_factory: Callable[[], Any] | None = None) -> Iterator[Pipeline]:
+        """An engine Pipeline for the duration of one step or tick."""
+        with Pipeline(self.load_config(), spark_factory=spark_factory) as pipeline:
+            yield pipeline

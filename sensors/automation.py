@@ -1,0 +1,17 @@
+"""Evaluates the merge automation conditions; running by default (Dagster's own default sensor is not)."""
+
+from __future__ import annotations
+
+from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus
+
+from assets.translator import Pg2IcebergTranslator
+
+
+def merge_automation_sensor(translator: Pg2IcebergTranslator) -> AutomationConditionSensorDefinition:
+    return AutomationConditionSensorDefinition(
+        "pg2iceberg_merge_automation",
+        target=AssetSelection.assets(*[translator.iceberg_key(t) for t in translator.config.tables]),
+        default_status=DefaultSensorStatus.RUNNING,
+        use_user_code_server=True,  # the lag condition reads the coordination tables
+        minimum_interval_seconds=15,
+    )

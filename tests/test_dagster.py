@@ -1,0 +1,151 @@
+"""The Dagster layer against real PostgreSQL, Spark and Iceberg: definitions from the config, CTID
+snapshot partitions under one exported snapshot, the flusher sensor, lag automation, and checks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import yaml
+from dagster import (
+    AssetKey,
+    DagsterInstance,
+    DefaultSensorStatus,
+    Definitions,
+    SensorResult,
+    build_sensor_context,
+    evaluate_automation_conditions,
+    instance_for_test,
+    materialize,
+)
+
+from assets.tables import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
+from definitions import build_definitions
+from pg2iceberg_dagster.snapshot.holder import holder_lock_key
+from resources import Pg2IcebergResource, SparkResource
+
+from .conftest import SourceDb, assert_mirrored
+
+pytestmark = pytest.mark.usefixtures("spark")
+
+
+def _write_config(source: SourceDb, tmp_path: Path, tables: list[str]) -> str:
+    config = source.config(tables, snapshot={"chunk_pages": 8, "parallelism": 2})
+    data = config.model_dump(mode="json", exclude_none=True)
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _assets_def(defs: Definitions, key: AssetKey) -> Any:
+    return defs.resolve_assets_def(key)
+
+
+def _resources(config_path: str) -> dict[str, Any]:
+    pg2iceberg = Pg2IcebergResource(config_path=config_path)
+    return {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
+
+
+def _tick(defs: Definitions, name: str, instance: DagsterInstance, config_path: str) -> Any:
+    sensor = defs.resolve_sensor_def(name)
+    with build_sensor_context(instance=instance, resources=_resources(config_path)) as context:
+        return sensor(context)
+
+
+def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None:
+    source.execute(
+        "CREATE TABLE public.orders (id int PRIMARY KEY); CREATE TABLE public.customers (id int PRIMARY KEY)"
+    )
+    defs = build_definitions(_write_config(source, tmp_path, ["public.orders", "public.customers"]))
+    Definitions.validate_loadable(defs)
+    specs = {spec.key: spec for spec in defs.resolve_all_asset_specs()}
+    ns = f"{source.name}_public"
+    for table in ("orders", "customers"):
+        live = specs[AssetKey(["iceberg", ns, table])]
+        assert {dep.asset_key for dep in live.deps} == {
+            AssetKey(["iceberg", ns, f"{table}_snapshot"]),
+            AssetKey(["staged_log", "public", table]),
+        }
+        assert {dep.asset_key for dep in specs[AssetKey(["iceberg", ns, f"{table}_snapshot"])].deps} == {
+            AssetKey(["pg", "public", table])
+        }
+        assert "iceberg" in live.kinds and live.automation_condition is not None
+    automation = defs.resolve_sensor_def("pg2iceberg_merge_automation")
+    assert automation.default_status == DefaultSensorStatus.RUNNING
+
+
+def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_path: Path) -> None:
+    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
+    source.execute("CREATE TABLE public.customers (id int PRIMARY KEY, name text)")
+    source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, 4000) g")
+    source.execute("INSERT INTO public.customers SELECT g, 'c' || g FROM generate_series(1, 100) g")
+    config_path = _write_config(source, tmp_path, ["public.orders", "public.customers"])
+    defs = build_definitions(config_path)
+    ns = f"{source.name}_public"
+    orders_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "orders_snapshot"]))
+    customers_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
+    orders_live = _assets_def(defs, AssetKey(["iceberg", ns, "orders"]))
+
+    with instance_for_test() as instance:
+        # The planner sensor registers the CTID chunk partitions.
+        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        assert isinstance(planned, SensorResult)
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        order_keys = orders_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        assert len(order_keys) > 2 and order_keys[0] == "ctid_000000_000008" and order_keys[-1].endswith("_end")
+
+        # One run per chunk; writes between runs; every chunk still reads the one exported snapshot.
+        modes = []
+        for number, key in enumerate(order_keys):
+            source.execute("UPDATE public.orders SET v = 'changed' WHERE id = %s", (number + 1,))
+            result = materialize([orders_snapshot], partition_key=key, instance=instance)
+            assert result.success
+            modes.append(result.asset_materializations_for_node(orders_snapshot.node_def.name)[0].metadata)
+        assert {m["read_mode"].value for m in modes} == {"exported_snapshot"}
+
+        # Writes reach the staged log through the flusher sensor.
+        source.execute("INSERT INTO public.orders VALUES (100001, 'new'); DELETE FROM public.orders WHERE id = 7")
+        source.execute("UPDATE public.customers SET name = 'renamed' WHERE id = 1")
+        ticked = _tick(defs, "pg2iceberg_flusher", instance, config_path)
+        assert isinstance(ticked, SensorResult)
+        events = {event.asset_key: event for event in ticked.asset_events}
+        orders_event = events[AssetKey(["staged_log", "public", "orders"])]
+        assert orders_event.metadata["lag"].value > 0
+
+        # Automation: orders lags and its snapshot is complete; customers lags but is not snapshotted.
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
+        assert evaluation.get_num_requested(AssetKey(["iceberg", ns, "orders"])) == 1
+        assert evaluation.get_num_requested(AssetKey(["iceberg", ns, "customers"])) == 0
+        assert evaluation.total_requested == 1
+
+        # The merge runs on Spark and its checks pass.
+        merged = materialize([orders_live], instance=instance)
+        assert merged.success
+        checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
+        assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
+        assert evaluate_automation_conditions(defs=defs, instance=instance).total_requested == 0
+
+        # A duplicated key fails the blocking check.
+        table = source.pipeline(source.config(["public.orders"])).catalog.load_table(f"{ns}.orders")
+        table.append(pa.Table.from_pylist([{"id": 1, "v": "dup"}], schema=table.schema().as_arrow()))
+        failed = materialize([orders_live], instance=instance, raise_on_error=False)
+        assert not failed.success
+        checks = {e.check_name: e for e in failed.get_asset_check_evaluations()}
+        assert not checks[PK_UNIQUE].passed and checks[PK_UNIQUE].metadata["duplicate_keys"].value == 1
+
+        # The other table's chunks: one range run; the holder lets go once every table is done.
+        customer_keys = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        for key in customer_keys:
+            assert materialize([customers_snapshot], partition_key=key, instance=instance).success
+    pipeline = source.pipeline(source.config(["public.customers"]))
+    deadline = time.monotonic() + 30
+    while pipeline.store.exported_snapshot(holder_lock_key(pipeline.config)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pipeline.store.exported_snapshot(holder_lock_key(pipeline.config)) is None
+    pipeline.stream(until_caught_up=True)
+    pipeline.materialize()
+    assert_mirrored(pipeline)
