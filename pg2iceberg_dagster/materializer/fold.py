@@ -46,7 +46,6 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
     for relation, changes in batches:
         if relation not in result.relations:
             result.relations.append(relation)
-        column_names = {column.name for column in relation.columns}
         for change in changes:
             result.changes += 1
             if change.op == TRUNCATE:
@@ -75,7 +74,6 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
                     if name in previous.data:
                         data[name] = previous.data[name]
                         unchanged.discard(name)
-                unchanged |= previous.unchanged & column_names
             result.rows[key] = FoldedRow(
                 UPSERT, data, frozenset(unchanged), relation, fill_from_key if unchanged else None
             )

@@ -139,7 +139,10 @@ class _Reader:
         self.pos = 0
 
     def _take(self, fmt: str) -> int:
-        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        try:
+            (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        except struct.error:
+            raise DecodeError("message truncated") from None
         self.pos += struct.calcsize(fmt)
         return value
 

@@ -10,6 +10,7 @@ so the materializer can evolve the Iceberg schema without asking the source.
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 from collections.abc import Sequence
@@ -64,6 +65,17 @@ class StagedRelation:
         return cls(table=data["table"], columns=tuple(SourceColumn.from_json(c) for c in data["columns"]))
 
 
+def _join_names(names: Sequence[str]) -> str:
+    """Comma-separated column names, CSV-quoted where a name holds a comma or a quote."""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="").writerow(names)
+    return out.getvalue()
+
+
+def _split_names(text: str) -> tuple[str, ...]:
+    return tuple(next(csv.reader([text])))
+
+
 def encode(relation: StagedRelation, changes: Sequence[Change]) -> bytes:
     """Serialize changes (in log order) to Parquet bytes."""
     table = pa.Table.from_arrays(
@@ -72,7 +84,7 @@ def encode(relation: StagedRelation, changes: Sequence[Change]) -> bytes:
             pa.array([c.lsn for c in changes], pa.int64()),
             pa.array([c.ts for c in changes], pa.timestamp("us", tz="UTC")),
             pa.array([c.xid for c in changes], pa.int64()),
-            pa.array([",".join(c.unchanged) if c.unchanged else None for c in changes], pa.string()),
+            pa.array([_join_names(c.unchanged) if c.unchanged else None for c in changes], pa.string()),
             pa.array([json.dumps(c.data, separators=(",", ":")) for c in changes], pa.string()),
         ],
         schema=STAGING_SCHEMA.with_metadata({RELATION_METADATA_KEY: relation.to_json().encode()}),
@@ -97,7 +109,7 @@ def decode(data: bytes) -> tuple[StagedRelation, list[Change]]:
             ts=ts,
             xid=xid,
             data=json.loads(payload),
-            unchanged=tuple(unchanged.split(",")) if unchanged else (),
+            unchanged=_split_names(unchanged) if unchanged else (),
         )
         for op, lsn, ts, xid, unchanged, payload in zip(
             columns["_op"],

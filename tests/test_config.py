@@ -1,0 +1,268 @@
+"""Unit tests for configuration parsing, validation errors and secret handling."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from pg2iceberg_dagster.config import PostgresConnection, load_config, parse_config
+from pg2iceberg_dagster.errors import ConfigError
+
+SECRET = "s3cr3t-Pa55w0rd-xyzzy"
+MINIMAL: dict[str, Any] = {"source": {"dbname": "app"}, "tables": [{"name": "public.orders"}]}
+
+
+def config_with(**overrides: Any) -> dict[str, Any]:
+    """A deep copy of MINIMAL with top-level keys replaced."""
+    data = copy.deepcopy(MINIMAL)
+    data.update(overrides)
+    return data
+
+
+def config_error(data: Any) -> str:
+    """The message of the ConfigError that parsing ``data`` raises."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+def test_minimal_config_defaults() -> None:
+    """A minimal config validates and fills in the documented defaults."""
+    config = parse_config(copy.deepcopy(MINIMAL))
+    assert config.snapshot.chunk_pages == 2048
+    assert config.snapshot.parallelism == 3
+    assert config.source.host == "127.0.0.1"
+    assert config.source.port == 5432
+    assert config.source.user == "postgres"
+    assert config.source.password_env is None
+    assert config.replication.slot == "pg2iceberg_slot"
+    assert config.staging.url == "file:///tmp/pg2iceberg/staging"
+    assert config.iceberg.catalog.type == "sql"
+    assert config.state_connection is config.source
+    assert config.catalog_connection is config.source
+    table = config.tables[0]
+    assert (table.schema_name, table.table_name, table.key) == ("public", "orders", "public.orders")
+    assert config.table("public.orders") is table
+    assert config.iceberg_identifier(table) == ("public", "orders")
+
+
+def test_quoted_table_name_and_overrides() -> None:
+    """Quoted identifiers are unquoted in the key; explicit values override defaults."""
+    config = parse_config(
+        config_with(
+            tables=[{"name": '"My Schema"."Order$s"', "primary_key": ["id"], "iceberg_name": "orders"}],
+            snapshot={"chunk_pages": 16},
+            staging={"url": "s3://bucket/prefix/"},
+            iceberg={"namespace": "mirror_{schema}"},
+        )
+    )
+    table = config.tables[0]
+    assert table.key == "My Schema.Order$s"
+    assert table.primary_key == ["id"]
+    assert config.snapshot.chunk_pages == 16
+    assert config.staging.url == "s3://bucket/prefix"
+    assert config.iceberg_identifier(table) == ("mirror_My Schema", "orders")
+
+
+def test_unknown_field_names_dotted_path() -> None:
+    """A misspelled field is reported with its dotted path as an unknown field."""
+    message = config_error(config_with(source={"dbname": "app", "hots": "db.example"}))
+    assert "source.hots: unknown field" in message
+    assert "invalid configuration in <config>" in message
+
+
+def test_unknown_top_level_field() -> None:
+    """An unknown top-level section is reported by name."""
+    assert "snapshots: unknown field" in config_error(config_with(snapshots={"chunk_pages": 1}))
+
+
+def test_bad_table_name_names_index() -> None:
+    """A table name that is not schema.table is reported at tables.<index>.name."""
+    message = config_error(config_with(tables=[{"name": "public.ok"}, {"name": "orders"}]))
+    assert "tables.1.name: expected 'schema.table'" in message
+    assert "'orders'" in message
+    assert "tables.0" not in message
+    message = config_error(config_with(tables=[{"name": "orders"}]))
+    assert "tables.0.name: expected 'schema.table', got 'orders'" in message
+
+
+def test_duplicate_tables_rejected() -> None:
+    """The same table listed twice (even once quoted) is rejected."""
+    message = config_error(config_with(tables=[{"name": "public.orders"}, {"name": '"public".orders'}]))
+    assert "tables: listed more than once: public.orders" in message
+
+
+def test_empty_tables_rejected() -> None:
+    """An empty table list is rejected."""
+    assert "tables: list at least one table" in config_error(config_with(tables=[]))
+
+
+def test_missing_required_fields() -> None:
+    """Missing source.dbname and tables are reported."""
+    message = config_error({"source": {}})
+    assert "source.dbname: Field required" in message
+    assert "tables: Field required" in message
+
+
+def test_bad_staging_url_scheme() -> None:
+    """A staging url that is neither file:// nor s3:// is rejected at staging.url."""
+    message = config_error(config_with(staging={"url": "http://bucket/prefix"}))
+    assert "staging.url: must start with file:// or s3://" in message
+
+
+def test_other_field_errors() -> None:
+    """Range and pattern violations name their fields."""
+    message = config_error(
+        config_with(
+            source={"dbname": "app", "port": 0},
+            snapshot={"chunk_pages": 0},
+            replication={"slot": "Bad-Slot"},
+            iceberg={"namespace": "{scheme}"},
+        )
+    )
+    assert "source.port:" in message
+    assert "snapshot.chunk_pages:" in message
+    assert "replication.slot:" in message
+    assert "iceberg.namespace: may only use the placeholder {schema}" in message
+
+
+def test_top_level_not_a_mapping() -> None:
+    """A YAML list or scalar at the top level is rejected."""
+    assert "expected a mapping" in config_error(["source"])
+    assert "expected a mapping" in config_error(None)
+
+
+def test_load_config_valid_file(tmp_path: Path) -> None:
+    """load_config reads and validates a YAML file."""
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(
+        "source:\n  dbname: app\n  password_env: PG_PASS\ntables:\n  - name: public.orders\n"
+        "snapshot:\n  chunk_pages: 64\n",
+        encoding="utf-8",
+    )
+    config = load_config(path)
+    assert config.source.password_env == "PG_PASS"
+    assert config.snapshot.chunk_pages == 64
+    assert [t.key for t in config.tables] == ["public.orders"]
+
+
+def test_load_config_invalid_yaml(tmp_path: Path) -> None:
+    """Invalid YAML is a ConfigError naming the file."""
+    path = tmp_path / "broken.yaml"
+    path.write_text("source: [unclosed\ntables: {\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="is not valid YAML") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_config_missing_file(tmp_path: Path) -> None:
+    """A missing file is a ConfigError naming the file."""
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_config_reports_file_in_field_errors(tmp_path: Path) -> None:
+    """Field errors from a file name the file and the field."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("source:\n  dbname: app\n  hots: x\ntables:\n  - name: public.orders\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"invalid configuration in {path}" in str(info.value)
+    assert "source.hots: unknown field" in str(info.value)
+
+
+def test_conninfo_takes_password_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conninfo() reads the password from the variable named by password_env; describe() omits it."""
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", SECRET)
+    connection = PostgresConnection(
+        dbname="app", host="db.example", port=6543, user="repl", password_env="PG2ICEBERG_TEST_PASSWORD"
+    )
+    conninfo = connection.conninfo()
+    assert f"password={SECRET}" in conninfo
+    assert "host=db.example" in conninfo
+    assert "port=6543" in conninfo
+    assert "user=repl" in conninfo
+    assert "dbname=app" in conninfo
+    assert "replication=database" in connection.conninfo(replication="database")
+    assert connection.describe() == "postgresql://repl@db.example:6543/app"
+    assert SECRET not in connection.describe()
+    assert SECRET not in repr(connection)
+
+
+def test_conninfo_reads_env_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The password is read when conninfo() is called, not when the config is parsed."""
+    connection = PostgresConnection(dbname="app", password_env="PG2ICEBERG_TEST_PASSWORD")
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", "first")
+    assert "password=first" in connection.conninfo()
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", "second")
+    assert "password=second" in connection.conninfo()
+
+
+def test_conninfo_without_password_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without password_env no password is put in the connection string."""
+    monkeypatch.setenv("PGPASSWORD", SECRET)
+    conninfo = PostgresConnection(dbname="app").conninfo()
+    assert "password" not in conninfo
+    assert "dbname=app" in conninfo
+
+
+def test_missing_env_var_is_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A password_env naming an unset variable raises ConfigError naming the variable, not any secret."""
+    monkeypatch.delenv("PG2ICEBERG_UNSET_PASSWORD", raising=False)
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", SECRET)
+    connection = PostgresConnection(dbname="app", password_env="PG2ICEBERG_UNSET_PASSWORD")
+    with pytest.raises(ConfigError) as info:
+        connection.conninfo()
+    message = str(info.value)
+    assert "PG2ICEBERG_UNSET_PASSWORD" in message
+    assert "is not set" in message
+    assert SECRET not in message
+
+
+def test_programmatic_password_is_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A password set programmatically wins over password_env and never shows in repr or dumps."""
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", "from-env")
+    connection = PostgresConnection(dbname="app", password=SecretStr(SECRET), password_env="PG2ICEBERG_TEST_PASSWORD")
+    assert f"password={SECRET}" in connection.conninfo()
+    assert SECRET not in repr(connection)
+    assert SECRET not in str(connection)
+    assert SECRET not in str(connection.model_dump())
+    assert SECRET not in connection.model_dump_json()
+
+
+def test_password_not_in_repr_of_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resolved password does not appear in repr(config), only the variable's name."""
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", SECRET)
+    config = parse_config(config_with(source={"dbname": "app", "password_env": "PG2ICEBERG_TEST_PASSWORD"}))
+    assert SECRET in config.source.conninfo()
+    assert "PG2ICEBERG_TEST_PASSWORD" in repr(config)
+    assert SECRET not in repr(config)
+    assert SECRET not in str(config)
+
+
+def test_password_not_in_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad config that names password_env reports the bad field without the password."""
+    monkeypatch.setenv("PG2ICEBERG_TEST_PASSWORD", SECRET)
+    data = config_with(
+        source={"dbname": "app", "password_env": "PG2ICEBERG_TEST_PASSWORD", "hots": "x", "port": "not-a-port"},
+        state={"dbname": "state", "password_env": "PG2ICEBERG_TEST_PASSWORD", "sslmode": 5},
+    )
+    message = config_error(data)
+    assert "source.hots: unknown field" in message
+    assert "source.port:" in message
+    assert "state.sslmode:" in message
+    assert SECRET not in message
+
+
+def test_secret_value_in_wrong_field_not_echoed() -> None:
+    """A secret pasted into a typed field is not echoed back in the error."""
+    message = config_error(config_with(source={"dbname": "app", "port": SECRET, "password": ["nested", SECRET]}))
+    assert "source.port:" in message
+    assert "source.password:" in message
+    assert SECRET not in message
