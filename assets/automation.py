@@ -40,3 +40,10 @@ def merge_condition(config_path: str, table_key: str) -> AutomationCondition:
     return (StagedLogLag(config_path, table_key) & ~AutomationCondition.in_progress()).with_label(
         "lag and snapshot complete, not in progress"
     )
+
+
+def snapshot_condition() -> AutomationCondition:
+    """Take each planned chunk once: missing, not running, and not failed (a failed chunk waits for a retry)."""
+    return (
+        AutomationCondition.missing() & ~AutomationCondition.in_progress() & ~AutomationCondition.execution_failed()
+    ).with_label("chunk not taken yet")

@@ -200,8 +200,10 @@ def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from .quickstart import run_quickstart
+    from .quickstart import run_dagster_dev, run_quickstart
 
+    if args.dagster:
+        return run_dagster_dev(Path(args.dir), port=args.port, rows=args.rows, ui_port=args.ui_port)
     return run_quickstart(Path(args.dir), port=args.port, seconds=args.seconds, rows=args.rows)
 
 
@@ -266,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--port", type=int, default=54329, help="port of the local Postgres")
     quick.add_argument("--seconds", type=float, default=20.0, help="how long the live writes run")
     quick.add_argument("--rows", type=int, default=50_000, help="rows in the sample orders table")
+    quick.add_argument(
+        "--dagster",
+        action="store_true",
+        help="instead of replicating here, keep writing and run `dagster dev` on the pipeline",
+    )
+    quick.add_argument("--ui-port", type=int, default=3000, help="Dagster UI port (with --dagster)")
     return parser
 
 

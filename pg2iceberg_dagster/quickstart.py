@@ -3,7 +3,10 @@ warehouse, the SQL catalog in Postgres and Spark local, replicated and then veri
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -108,8 +111,8 @@ def live_writes(conninfo: str, stop: threading.Event, rows: int) -> int:
     return transactions
 
 
-def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: int = 50_000) -> int:
-    """Bring up the embedded default, replicate it under live writes, and verify. Exit code 0 on a match."""
+def start_embedded(root: Path, port: int, rows: int) -> tuple[EmbeddedPostgres, Path]:
+    """Start the local PostgreSQL with its sample data; returns it and the pipeline config path."""
     root.mkdir(parents=True, exist_ok=True)
     postgres = EmbeddedPostgres(root / "pg", port)
     print(f"starting PostgreSQL on 127.0.0.1:{port} (data in {postgres.data_dir})")
@@ -118,6 +121,38 @@ def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: i
     postgres.create_database("iceberg_catalog")
     config_path = write_default_config(root, port)
     seed(postgres.conninfo("app"), rows)
+    return postgres, config_path
+
+
+def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: int = 3000) -> int:
+    """Start the local PostgreSQL with live writes and run ``dagster dev`` on the quickstart pipeline."""
+    postgres, config_path = start_embedded(root, port, rows)
+    dagster_home = (root / "dagster_home").resolve()
+    dagster_home.mkdir(exist_ok=True)
+    # No onboarding pop-up over the UI of a local demo.
+    (dagster_home / "dagster.yaml").write_text("nux:\n  enabled: false\ntelemetry:\n  enabled: false\n")
+    stop_writes = threading.Event()
+    writer = threading.Thread(target=live_writes, args=(postgres.conninfo("app"), stop_writes, rows), daemon=True)
+    writer.start()
+    env = {**os.environ, "PG2ICEBERG_CONFIG": str(config_path.resolve()), "DAGSTER_HOME": str(dagster_home)}
+    workspace = Path(__file__).resolve().parent.parent / "workspace.yaml"
+    print(f"live writes running; Dagster UI on http://127.0.0.1:{ui_port} (Ctrl-C stops)")
+    try:
+        return subprocess.call(
+            [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(ui_port)],
+            env=env,
+            cwd=workspace.parent,
+        )
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_writes.set()
+        writer.join()
+
+
+def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: int = 50_000) -> int:
+    """Bring up the embedded default, replicate it under live writes, and verify. Exit code 0 on a match."""
+    postgres, config_path = start_embedded(root, port, rows)
     config = load_config(config_path)
     stop_writes = threading.Event()
     writer = threading.Thread(target=live_writes, args=(postgres.conninfo("app"), stop_writes, rows), daemon=True)

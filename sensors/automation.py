@@ -1,4 +1,4 @@
-"""Evaluates the merge automation conditions; running by default (Dagster's own default sensor is not)."""
+"""Evaluates the snapshot and merge automation conditions; running by default (Dagster's own default sensor is not)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from assets.translator import Pg2IcebergTranslator
 def merge_automation_sensor(translator: Pg2IcebergTranslator) -> AutomationConditionSensorDefinition:
     return AutomationConditionSensorDefinition(
         "pg2iceberg_merge_automation",
-        target=AssetSelection.assets(*[translator.iceberg_key(t) for t in translator.config.tables]),
+        target=AssetSelection.assets(
+            *[key for t in translator.config.tables for key in (translator.snapshot_key(t), translator.iceberg_key(t))]
+        ),
         default_status=DefaultSensorStatus.RUNNING,
         use_user_code_server=True,  # the lag condition reads the coordination tables
         minimum_interval_seconds=15,

@@ -32,7 +32,8 @@ def flusher_sensor(translator: Pg2IcebergTranslator, tick_seconds: float = TICK_
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
-            if pipeline.store.migrate() is not None and pipeline.store.flushed_lsn() is None:
+            pipeline.store.migrate()
+            if pipeline.store.flushed_lsn() is None:
                 return SkipReason("waiting for the snapshot to create the replication slot")
             try:
                 stats = pipeline.stream(max_seconds=tick_seconds)

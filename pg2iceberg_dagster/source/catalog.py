@@ -195,3 +195,11 @@ def table_pages(conn: psycopg.Connection, oid: int) -> int:
         (oid,),
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def modification_count(conn: psycopg.Connection, oid: int) -> int:
+    """Rows inserted, updated and deleted in the table so far (statistics; lag up to about a second)."""
+    row = conn.execute(
+        "SELECT coalesce(n_tup_ins + n_tup_upd + n_tup_del, 0) FROM pg_stat_user_tables WHERE relid = %s", (oid,)
+    ).fetchone()
+    return int(row[0]) if row else 0

@@ -1,0 +1,105 @@
+"""End to end under `dagster dev`: nobody clicks. The planner sensor plans chunks, automation takes the
+snapshot and merges, the flusher sensor stages WAL; a source write is observed landing in Iceberg
+through Dagster's own instance API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from dagster import AssetKey, DagsterInstance
+
+from .conftest import SourceDb, _free_port, assert_mirrored
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_SECONDS = 300
+
+
+@pytest.fixture
+def dagster_dev(source: SourceDb, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, 500) g")
+    config = source.config(["public.orders"], flush={"interval_seconds": 0.5})
+    config_path = tmp_path / "pg2iceberg.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(config_path)}
+    log = open(tmp_path / "dagster_dev.log", "wb")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "dev",
+            "-w",
+            str(ROOT / "workspace.yaml"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(_free_port()),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield home, source.name
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # its own session: only dagster dev's processes
+            process.wait()
+        log.close()
+
+
+def _wait(predicate, what: str, log_hint: Path) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(2)
+    raise AssertionError(f"timed out waiting for {what}; see {log_hint}")
+
+
+@pytest.mark.usefixtures("spark")
+def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
+    dagster_dev: tuple[Path, str], source: SourceDb, tmp_path: Path
+) -> None:
+    home, name = dagster_dev
+    os.environ["DAGSTER_HOME"] = str(home)
+    live = AssetKey(["iceberg", f"{name}_public", "orders"])
+    snapshot = AssetKey(["iceberg", f"{name}_public", "orders_snapshot"])
+    log = tmp_path / "dagster_dev.log"
+    with DagsterInstance.get() as instance:
+        _wait(lambda: instance.get_latest_materialization_event(snapshot) is not None, "the snapshot", log)
+        written_at = time.time()
+        source.execute("INSERT INTO public.orders VALUES (100000, 'written while dagster runs')")
+        source.execute("UPDATE public.orders SET v = 'updated' WHERE id = 1")
+
+        def merged() -> bool:
+            event = instance.get_latest_materialization_event(live)
+            return (
+                event is not None
+                and event.timestamp > written_at
+                and event.asset_materialization.metadata["lag"].value == 0
+                and event.asset_materialization.metadata["mat_cursor"].value >= 2
+            )
+
+        _wait(merged, "an automated merge of the write", log)
+    pipeline = source.pipeline(source.config(["public.orders"]))
+    rows = {r["id"]: r["v"] for r in pipeline.catalog.load_table(f"{name}_public.orders").scan().to_arrow().to_pylist()}
+    assert rows[100000] == "written while dagster runs" and rows[1] == "updated"
+    assert_mirrored(pipeline)
