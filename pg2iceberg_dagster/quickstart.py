@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -137,14 +138,21 @@ def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: 
     env = {**os.environ, "PG2ICEBERG_CONFIG": str(config_path.resolve()), "DAGSTER_HOME": str(dagster_home)}
     workspace = Path(__file__).resolve().parent.parent / "workspace.yaml"
     print(f"live writes running; Dagster UI on http://127.0.0.1:{ui_port} (Ctrl-C stops)")
+    # Its own session: dagster dev shuts down its process group. Ctrl-C or SIGTERM here is handed
+    # on to it; PostgreSQL keeps running for the next session.
+    dagster = subprocess.Popen(
+        [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(ui_port)],
+        env=env,
+        cwd=workspace.parent,
+        start_new_session=True,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: dagster.send_signal(signal.SIGINT))
     try:
-        return subprocess.call(
-            [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(ui_port)],
-            env=env,
-            cwd=workspace.parent,
-        )
-    except KeyboardInterrupt:
-        return 0
+        while True:
+            try:
+                return dagster.wait()
+            except KeyboardInterrupt:
+                dagster.send_signal(signal.SIGINT)
     finally:
         stop_writes.set()
         writer.join()
