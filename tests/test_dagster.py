@@ -116,18 +116,22 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
         orders_event = events[AssetKey(["staged_log", "public", "orders"])]
         assert orders_event.metadata["lag"].value > 0
 
-        # Automation: orders lags and its snapshot is complete; customers lags but is not snapshotted.
+        # Automation: orders lags and its snapshot is complete, so it merges; customers lags but is not
+        # snapshotted, so it does not merge, and its missing chunk is what gets taken.
         evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
         assert evaluation.get_num_requested(AssetKey(["iceberg", ns, "orders"])) == 1
         assert evaluation.get_num_requested(AssetKey(["iceberg", ns, "customers"])) == 0
-        assert evaluation.total_requested == 1
+        customer_chunks = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        assert evaluation.get_num_requested(customers_snapshot.key) == len(customer_chunks)
+        assert evaluation.get_num_requested(orders_snapshot.key) == 0
 
         # The merge runs on Spark and its checks pass.
         merged = materialize([orders_live], instance=instance)
         assert merged.success
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
-        assert evaluate_automation_conditions(defs=defs, instance=instance).total_requested == 0
+        after = evaluate_automation_conditions(defs=defs, instance=instance)
+        assert after.get_num_requested(orders_live.key) == 0, "no lag left: no merge"
 
         # A duplicated key fails the blocking check.
         table = source.pipeline(source.config(["public.orders"])).catalog.load_table(f"{ns}.orders")
