@@ -46,7 +46,7 @@ def main() -> None:
                     "status text, created timestamptz)"
                 )
                 conn.execute(
-                    "INSERT INTO orders SELECT g, g % 1000, g / 7.0, 'status ' || (g % 5), "
+                    "INSERT INTO orders SELECT g, g %% 1000, g / 7.0, 'status ' || (g %% 5), "
                     "timestamptz '2026-01-01' + g * interval '1 second' FROM generate_series(1, %s) g",
                     (args.rows,),
                 )
