@@ -135,9 +135,15 @@ class S3Config(_Strict):
     access_key_id_env: str | None = None
     secret_access_key_env: str | None = None
     path_style: bool = True
+    # Set only programmatically (e.g. from dagster-aws's S3Resource); never shown, never serialized.
+    access_key_id: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    secret_access_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
 
     def credentials(self) -> tuple[str | None, str | None]:
-        """(access key id, secret key) from the named variables, or (None, None) for the default chain."""
+        """(access key id, secret key): set programmatically, else from the named variables, else
+        (None, None) for the AWS default chain."""
+        if self.access_key_id is not None and self.secret_access_key is not None:
+            return self.access_key_id.get_secret_value(), self.secret_access_key.get_secret_value()
         return (
             secret_from_env(self.access_key_id_env, "s3.access_key_id_env"),
             secret_from_env(self.secret_access_key_env, "s3.secret_access_key_env"),

@@ -5,10 +5,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from dagster import ConfigurableResource
-from pydantic import Field
+from dagster_aws.s3 import S3Resource
+from pydantic import Field, SecretStr
 
 from pg2iceberg_dagster.config import PipelineConfig, PostgresConnection, load_config
 from pg2iceberg_dagster.pipeline import Pipeline
+
+
+def _secret(value: str | None) -> SecretStr | None:
+    return SecretStr(value) if value else None
 
 
 class PostgresResource(ConfigurableResource):
@@ -28,15 +33,28 @@ class PostgresResource(ConfigurableResource):
 
 
 class Pg2IcebergResource(ConfigurableResource):
-    """The replication pipeline described by ``config_path``; ``source`` overrides its source connection."""
+    """The replication pipeline described by ``config_path``. ``source`` overrides its source connection;
+    ``staging_s3`` (dagster-aws) supplies the staged-log store's endpoint, region and credentials."""
 
     config_path: str
     source: PostgresResource | None = None
+    staging_s3: S3Resource | None = None
 
     def load_config(self) -> PipelineConfig:
         config = load_config(self.config_path)
         if self.source is not None:
             config = config.model_copy(update={"source": self.source.connection()})
+        if self.staging_s3 is not None:
+            s3 = config.staging.s3.model_copy(
+                update={
+                    "endpoint": self.staging_s3.endpoint_url or config.staging.s3.endpoint,
+                    "region": self.staging_s3.region_name or config.staging.s3.region,
+                    # model_copy does not validate: wrap the secrets ourselves.
+                    "access_key_id": _secret(self.staging_s3.aws_access_key_id),
+                    "secret_access_key": _secret(self.staging_s3.aws_secret_access_key),
+                }
+            )
+            config = config.model_copy(update={"staging": config.staging.model_copy(update={"s3": s3})})
         return config
 
     @contextmanager

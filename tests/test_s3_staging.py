@@ -71,3 +71,32 @@ def test_flusher_stages_to_s3_and_cleanup_deletes_there(source: SourceDb, s3_end
     )
     assert collect_garbage(pipeline.config, pipeline.store).files_deleted == len(entries)
     assert store.list("public.orders/") == []
+
+
+def test_dagster_staging_resource_supplies_s3_credentials(source: SourceDb, s3_endpoint: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """dagster-aws's S3Resource (secrets via EnvVar) points the staged-log store at the bucket."""
+    import yaml
+    from dagster import EnvVar
+    from dagster_aws.s3 import S3Resource
+
+    from resources import Pg2IcebergResource
+
+    config = source.config(["public.orders"], staging={"url": f"s3://{BUCKET}/{source.name}-dagster"})
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    resource = Pg2IcebergResource(
+        config_path=str(path),
+        staging_s3=S3Resource(
+            endpoint_url=s3_endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=EnvVar("TEST_S3_KEY"),
+            aws_secret_access_key=EnvVar("TEST_S3_SECRET"),
+        ),
+    )
+    with resource.process_config_and_initialize_cm() as initialized:  # resolves the EnvVars
+        resolved = initialized.load_config()
+    assert "testing-secret" not in repr(resolved)
+    store = ObjectStore(resolved.staging)
+    store.put("probe/file.bin", b"staged")
+    assert store.get("probe/file.bin") == b"staged"
+    assert store.list("probe/") == ["probe/file.bin"]
