@@ -55,7 +55,7 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
             key = tuple(change.data[name] for name in primary_key)
             if change.op == DELETE:
                 last_delete = (change.lsn, key, result.rows.get(key))
-                result.rows[key] = FoldedRow(DELETE, dict(change.data))
+                result.rows[key] = FoldedRow(DELETE, dict(change.data), relation=relation)
                 continue
             data = dict(change.data)
             # Columns of the Iceberg table that this change does not carry keep their current value.

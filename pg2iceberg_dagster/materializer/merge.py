@@ -110,8 +110,6 @@ def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
                 zip((c.name for c in relation.columns), text_loaders(relation.columns), strict=True)
             )
         loaders = loaders_by_relation.get(relation, {})
-        if row.op == DELETE:
-            loaders = {**loaders, **_key_loaders(folded, row.data)}
         missing = [name for name in columns if name not in row.data and name not in row.unchanged]
         for name in columns:
             text = row.data.get(name)
@@ -159,15 +157,6 @@ def fill_moved_keys(folded: FoldResult, table: Table, key: list[str]) -> None:
 
 def _key_text(value: Any) -> str:
     return str(value) if not isinstance(value, bool) else ("t" if value else "f")
-
-
-def _key_loaders(folded: FoldResult, data: dict[str, str | None]) -> dict[str, Callable[[bytes], Any]]:
-    # A delete carries key columns only; any relation of the batch knows how to load them.
-    for relation in folded.relations:
-        names = [c.name for c in relation.columns]
-        if all(name in names for name in data):
-            return dict(zip(names, text_loaders(relation.columns), strict=True))
-    return {}
 
 
 class Materializer:
