@@ -24,7 +24,7 @@ from ..source.lsn import parse_lsn
 from ..source.replication import ReplicationStream
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, Change, StagedRelation, encode
 from ..staging.store import ObjectStore
-from .txbuffer import TransactionBuffer
+from .txbuffer import TransactionBuffer, estimate_size
 
 
 @dataclass
@@ -214,7 +214,7 @@ class Flusher:
                         continue
                     for relation, change in buffer:
                         writer.add(relation, change)
-                        pending_bytes += len(change.data) * 16
+                        pending_bytes += estimate_size(change)
                     stats.transactions += 1
                     stats.changes += buffer.count
                     buffer.clear()

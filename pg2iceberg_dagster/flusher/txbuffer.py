@@ -12,7 +12,8 @@ from ..staging.codec import Change, StagedRelation
 Entry = tuple[StagedRelation, Change]
 
 
-def _estimate(change: Change) -> int:
+def estimate_size(change: Change) -> int:
+    """Approximate in-memory size of a change, for the memory and flush bounds."""
     return 96 + sum(len(key) + (len(value) if value else 0) for key, value in change.data.items())
 
 
@@ -37,7 +38,7 @@ class TransactionBuffer:
             pickle.dump((relation, change), self._spill, protocol=pickle.HIGHEST_PROTOCOL)
             return
         self._entries.append((relation, change))
-        self._size += _estimate(change)
+        self._size += estimate_size(change)
         if self._size > self._memory_bytes:
             # Closed by clear(); it outlives this call by design.
             self._spill = tempfile.TemporaryFile(dir=self._spill_dir, prefix="pg2iceberg-txn-")  # noqa: SIM115
