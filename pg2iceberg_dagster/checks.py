@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 from pyiceberg.table import Table
 
-from .iceberg.types import iceberg_type
+from .iceberg.types import field_ids, iceberg_type
 from .source.catalog import SourceTable
 
 
@@ -29,9 +29,9 @@ def schema_mismatches(source: SourceTable, table: Table) -> list[str]:
     """
     schema = table.schema()
     problems = []
-    next_id = iter(range(100_000, 200_000))
+    element_ids = field_ids(100_000)
     for column in source.columns:
-        wanted = iceberg_type(column.type, column.name, lambda: next(next_id))
+        wanted = iceberg_type(column.type, column.name, element_ids)
         if column.name not in schema.column_names:
             problems.append(f"{column.name}: missing in Iceberg (source type {column.type.name})")
             continue

@@ -10,13 +10,13 @@ from typing import Any, TypeVar
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchTableError
 from pyiceberg.table import Table
-from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, StringType
+from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType
 from sqlalchemy.engine import URL
 
 from ..config import PipelineConfig, TableConfig, secret_from_env
 from ..errors import UnsupportedTypeError
 from ..source.catalog import SourceColumn, SourceTable
-from .types import iceberg_schema, iceberg_type
+from .types import field_ids, iceberg_schema, iceberg_type
 
 T = TypeVar("T")
 
@@ -101,17 +101,15 @@ def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
     """Bring the Iceberg schema up to the source columns: add new ones, apply safe widenings.
 
     Columns dropped at the source stay in Iceberg (they keep their history and read null from then
-    on). Narrowing or an incompatible change is refused. Returns a description of each change.
+    on). A column narrowed at the source keeps its wider Iceberg type; any other change of type is
+    refused. Returns a description of each change.
     """
     schema = table.schema()
     changes: list[str] = []
     additions: list[tuple[str, IcebergType]] = []
     widenings: list[tuple[str, IcebergType]] = []
-    next_id = [10_000]
-
-    def element_ids() -> int:
-        next_id[0] += 1
-        return next_id[0]
+    # Only the types are compared here; pyiceberg assigns the real ids when it adds a column.
+    element_ids = field_ids(10_000)
 
     for column in columns:
         wanted = iceberg_type(column.type, column.name, element_ids)
@@ -124,8 +122,7 @@ def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
             changes.append(f"widen {column.name} {field.field_type} -> {wanted}")
         elif (
             field.field_type != wanted
-            and not (isinstance(field.field_type, StringType) and isinstance(wanted, StringType))
-            and not _is_widening(wanted, field.field_type)
+            and not _is_widening(wanted, field.field_type)  # narrowed at the source: the wider type holds it
             and not _same_shape(field.field_type, wanted)
         ):
             raise UnsupportedTypeError(

@@ -32,6 +32,7 @@ text tuples in the WAL) and are parsed by psycopg's text loaders, so both paths 
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,6 +101,11 @@ def _is_native(pg_type: PgType) -> bool:
     return pg_type.kind in _NATIVE
 
 
+def field_ids(after: int) -> Callable[[], int]:
+    """Hands out field ids ``after + 1``, ``after + 2``, ... (list element ids need their own)."""
+    return itertools.count(after + 1).__next__
+
+
 def iceberg_type(pg_type: PgType, column: str, element_ids: Callable[[], int]) -> IcebergType:
     """The Iceberg type for a column; ``element_ids`` hands out field ids for list elements."""
     if pg_type.kind == "pseudo":
@@ -133,13 +139,7 @@ def loader_oid(pg_type: PgType) -> int:
 
 def iceberg_schema(columns: Sequence[SourceColumn], primary_key: Sequence[str]) -> Schema:
     """An Iceberg schema for source columns, with the primary key as identifier fields."""
-    next_id = len(columns)
-
-    def element_ids() -> int:
-        nonlocal next_id
-        next_id += 1
-        return next_id
-
+    element_ids = field_ids(len(columns))
     fields = []
     for field_id, column in enumerate(columns, start=1):
         required = column.name in primary_key
