@@ -29,7 +29,6 @@ from pg2iceberg_dagster.materializer.merge import MergeResult
 from pg2iceberg_dagster.source.catalog import modification_count
 from pg2iceberg_dagster.source.connection import connect
 from pg2iceberg_dagster.source.lsn import format_lsn
-from pg2iceberg_dagster.verify import compare_table
 from resources import Pg2IcebergResource, SparkResource
 
 from .automation import merge_condition, snapshot_condition
@@ -46,9 +45,8 @@ def partitions_def(translator: Pg2IcebergTranslator, table: TableConfig) -> Dyna
     return DynamicPartitionsDefinition(name=translator.partitions_name(table))
 
 
-def _table_schema(pipeline: Any, table: TableConfig) -> TableSchema:
-    identifier = table_identifier(pipeline.config, table)
-    schema = pipeline.catalog.load_table(identifier).schema()
+def _table_schema(iceberg_table: Any) -> TableSchema:
+    schema = iceberg_table.schema()
     key = {schema.find_field(i).name for i in schema.identifier_field_ids}
     return TableSchema(
         columns=[
@@ -117,7 +115,7 @@ def _merge_metadata(
     summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
     return {
         "dagster/table_name": translator.iceberg_table_name(table),
-        "dagster/column_schema": _table_schema(pipeline, table),
+        "dagster/column_schema": _table_schema(iceberg_table),
         "dagster/row_count": int(summary.get("total-records", 0)),
         "changes_applied": result.changes,
         "rows_upserted": result.upserts,
@@ -166,10 +164,7 @@ def run_table_checks(pipeline: Any, table: TableConfig, key: Any) -> Iterator[As
     with connect(pipeline.config.source) as stats_conn:
         writes_before = modification_count(stats_conn, source.oid)
         started = time.monotonic()
-        with connect(pipeline.config.source, autocommit=False) as conn:
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            diff = compare_table(conn, source, iceberg_table)
-            conn.rollback()
+        (diff,) = pipeline.verify([table.key], refresh=False)  # columns were just refreshed above
         # Statistics trail commits by up to a second: look again after that.
         time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - started)))
         writes_in_flight = modification_count(stats_conn, source.oid) != writes_before

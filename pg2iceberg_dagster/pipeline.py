@@ -81,8 +81,7 @@ class Pipeline:
 
     def snapshot(self, on_chunk: ChunkCallback | None = None, on_plan: Any = None) -> dict[str, TableSnapshotResult]:
         """Take the initial snapshot of every table not yet complete (resumes after a crash)."""
-        report = self.validate()
-        return SnapshotRunner(self.config, self.store, report, self.catalog).run(on_chunk=on_chunk, on_plan=on_plan)
+        return self.snapshot_runner().run(on_chunk=on_chunk, on_plan=on_plan)
 
     def snapshot_runner(self) -> SnapshotRunner:
         return SnapshotRunner(self.config, self.store, self.validate(), self.catalog)
@@ -146,13 +145,18 @@ class Pipeline:
         self.materialize()
         return stats
 
-    def verify(self) -> list[TableDiff]:
-        """Compare every table, all read in one REPEATABLE READ transaction of the source."""
-        report = self.validate(refresh=True)  # columns may have changed since the last check
+    def verify(self, table_keys: list[str] | None = None, refresh: bool = True) -> list[TableDiff]:
+        """Compare every (or the given) table, all read in one REPEATABLE READ transaction of the source.
+
+        ``refresh`` re-reads the source columns first (they may have changed since the last check).
+        """
+        report = self.validate(refresh=refresh)
         diffs = []
         with connect(self.config.source, autocommit=False) as conn:
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             for key, source in report.tables.items():
+                if table_keys is not None and key not in table_keys:
+                    continue
                 identifier = table_identifier(self.config, self.config.table(key))
                 try:
                     iceberg_table = self.catalog.load_table(identifier)
