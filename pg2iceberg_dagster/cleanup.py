@@ -15,7 +15,7 @@ from .coordination.migrations import SCHEMA
 from .coordination.store import CoordinationStore
 from .iceberg.catalog import table_identifier
 from .source.connection import connect
-from .staging.store import ObjectStore
+from .staging.store import ObjectStore, staged_file_lsn
 
 
 @dataclass
@@ -23,14 +23,6 @@ class CleanupResult:
     files_deleted: int = 0
     tables_reset: int = 0
     slot_dropped: bool = False
-
-
-def _lsn_of_key(key: str) -> int | None:
-    name = key.rsplit("/", 1)[-1]
-    try:
-        return int(name.split("-", 1)[0], 16)
-    except ValueError:
-        return None
 
 
 def collect_garbage(config: PipelineConfig, store: CoordinationStore) -> CleanupResult:
@@ -44,7 +36,7 @@ def collect_garbage(config: PipelineConfig, store: CoordinationStore) -> Cleanup
             result.files_deleted += 1
         registered = {entry.path for entry in store.log_entries(table.key, -1)}
         for key in objects.list(f"{table.key}/"):
-            lsn = _lsn_of_key(key)
+            lsn = staged_file_lsn(key)
             # A file newer than flushed_lsn may belong to a flush that is registering right now.
             if key not in registered and lsn is not None and lsn <= flushed:
                 objects.delete(key)

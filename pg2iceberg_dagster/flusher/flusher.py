@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from ..source.connection import connect
 from ..source.lsn import parse_lsn
 from ..source.replication import ReplicationStream
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, Change, StagedRelation, encode
-from ..staging.store import ObjectStore
+from ..staging.store import ObjectStore, staged_file_key
 from .txbuffer import TransactionBuffer, estimate_size
 
 
@@ -75,7 +74,7 @@ class StagedWriter:
         if not changes:
             return
         data = encode(relation, changes)
-        key = f"{table}/{changes[-1].lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
+        key = staged_file_key(table, changes[-1].lsn)
         self._store.put(key, data)
         self.uploaded.append(
             StagedFile(table, key, len(changes), len(data), changes[0].lsn, max(c.lsn for c in changes))

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from urllib.parse import urlparse
 
 from pyarrow import fs
 
 from ..config import StagingConfig
+
+
+def staged_file_key(table: str, lsn: int) -> str:
+    """Where a staged file of ``table`` whose last change is at ``lsn`` goes: ``<table>/<LSN hex>-<id>.parquet``."""
+    return f"{table}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
+
+
+def staged_file_lsn(key: str) -> int | None:
+    """The LSN in a staged file's key (None for keys not named by :func:`staged_file_key`)."""
+    try:
+        return int(key.rsplit("/", 1)[-1].split("-", 1)[0], 16)
+    except ValueError:
+        return None
 
 
 class ObjectStore:
