@@ -16,6 +16,15 @@ class Crash(Exception):
     """Stands for the process dying at the injection point."""
 
 
+def crash_at(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> None:
+    """Make ``owner.method`` die with Crash until ``monkeypatch.undo()``."""
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise Crash
+
+    monkeypatch.setattr(owner, method, crash)
+
+
 def _orders(source: SourceDb, rows: int = 6000) -> None:
     source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
     source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, %s) g", (rows,))
@@ -54,15 +63,10 @@ def test_crash_between_staging_and_registration(source: SourceDb, monkeypatch: p
     pipeline = source.pipeline(source.config(["public.orders"]))
     pipeline.snapshot()
     source.execute("UPDATE public.orders SET v = 'changed' WHERE id <= 50")
-    original = CoordinationStore.register_flush
-
-    def crash(self, files, flushed_lsn):  # type: ignore[no-untyped-def]
-        raise Crash
-
-    monkeypatch.setattr(CoordinationStore, "register_flush", crash)
+    crash_at(monkeypatch, CoordinationStore, "register_flush")
     with pytest.raises(Crash):
         pipeline.stream(until_caught_up=True)
-    monkeypatch.setattr(CoordinationStore, "register_flush", original)
+    monkeypatch.undo()  # the process "restarts" with the real code
     assert pipeline.store.log_head("public.orders") == 0
     sync(pipeline)
     assert pipeline.store.log_head("public.orders") == 50
@@ -78,15 +82,10 @@ def test_crash_between_registration_and_ack(source: SourceDb, monkeypatch: pytes
     pipeline = source.pipeline(source.config(["public.orders"]))
     pipeline.snapshot()
     source.execute("DELETE FROM public.orders WHERE id <= 30")
-    original = ReplicationStream.ack
-
-    def crash(self, lsn):  # type: ignore[no-untyped-def]
-        raise Crash
-
-    monkeypatch.setattr(ReplicationStream, "ack", crash)
+    crash_at(monkeypatch, ReplicationStream, "ack")
     with pytest.raises(Crash):
         pipeline.stream(until_caught_up=True)
-    monkeypatch.setattr(ReplicationStream, "ack", original)
+    monkeypatch.undo()  # the process "restarts" with the real code
     assert pipeline.store.log_head("public.orders") == 30
     source.execute("INSERT INTO public.orders VALUES (1, 'back')")
     sync(pipeline)
@@ -107,15 +106,10 @@ def test_crash_between_iceberg_commit_and_cursor_update(source: SourceDb, monkey
     source.execute("TRUNCATE public.orders")
     source.execute("INSERT INTO public.orders VALUES (7, 'after truncate')")
     pipeline.stream(until_caught_up=True)
-    original = CoordinationStore.advance_mat_cursor
-
-    def crash(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        raise Crash
-
-    monkeypatch.setattr(CoordinationStore, "advance_mat_cursor", crash)
+    crash_at(monkeypatch, CoordinationStore, "advance_mat_cursor")
     with pytest.raises(Crash):
         pipeline.materialize()
-    monkeypatch.setattr(CoordinationStore, "advance_mat_cursor", original)
+    monkeypatch.undo()  # the process "restarts" with the real code
     assert pipeline.store.mat_cursor("default", "public.orders") == 0
     results = pipeline.materialize()
     assert results["public.orders"].batches == 1
