@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from ..config import PipelineConfig
 from ..coordination.store import CoordinationStore, StagedFile
+from ..faults import crash_point
 from ..source import pgoutput
 from ..source.catalog import SourceColumn, SourceTable, TypeResolver
 from ..source.connection import connect
-from ..source.lsn import parse_lsn
+from ..source.lsn import current_wal_lsn
 from ..source.replication import ReplicationStream
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, Change, StagedRelation, encode
 from ..staging.store import ObjectStore, staged_file_key
@@ -107,15 +108,6 @@ class Flusher:
     def close(self) -> None:
         self._catalog_conn.close()
 
-    def current_wal_lsn(self) -> int:
-        """The source's WAL insert position: every transaction committed so far ends at or before it.
-
-        (``pg_current_wal_lsn()`` is the write position, which an asynchronous commit may not have reached.)
-        """
-        row = self._catalog_conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
-        assert row is not None
-        return parse_lsn(row[0])
-
     def run(
         self,
         stop: threading.Event | None = None,
@@ -130,7 +122,7 @@ class Flusher:
         start_lsn = self.store.flushed_lsn()
         if start_lsn is None:
             raise RuntimeError("no flushed_lsn recorded: the slot was not created by `snapshot` yet")
-        target = self.current_wal_lsn() if until_caught_up else None
+        target = current_wal_lsn(self._catalog_conn) if until_caught_up else None
         deadline = time.monotonic() + max_seconds if max_seconds is not None else None
         flush_cfg = self.config.flush
         stats = FlushStats(flushed_lsn=start_lsn)
@@ -149,7 +141,9 @@ class Flusher:
             if pending_end_lsn is None:
                 return
             files = writer.finish()
+            crash_point("flusher.after_upload")
             self.store.register_flush(files, pending_end_lsn)
+            crash_point("flusher.after_register")
             stream.ack(pending_end_lsn)
             stats.flushes += 1
             stats.files += len(files)
@@ -224,6 +218,7 @@ class Flusher:
                     assert commit_ts is not None
                     for relation, change in self._changes(decoded, message.data_start, commit_ts, xid):
                         buffer.add(relation, change)
+                        crash_point("flusher.mid_transaction")
         return stats
 
     def _relation_info(self, relation: pgoutput.Relation) -> _RelationInfo | None:

@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
+from ..faults import crash_point
 from ..staging.codec import Change, StagedRelation
 
 Entry = tuple[StagedRelation, Change]
@@ -36,6 +37,7 @@ class TransactionBuffer:
         self.count += 1
         if self._spill is not None:
             pickle.dump((relation, change), self._spill, protocol=pickle.HIGHEST_PROTOCOL)
+            crash_point("flusher.during_spill")
             return
         self._entries.append((relation, change))
         self._size += estimate_size(change)
