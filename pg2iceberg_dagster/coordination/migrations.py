@@ -93,6 +93,15 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.pipeline_meta ADD COLUMN exported_snapshot text;
         """,
     ),
+    (
+        3,
+        """
+        -- Set when some chunk was read without the exported snapshot: WAL changes before this LSN may
+        -- find their row missing from Iceberg, so the materializer takes their unchanged (TOAST)
+        -- columns from the source instead of the target row.
+        ALTER TABLE _pg2iceberg.tables ADD COLUMN source_fill_until_lsn pg_lsn;
+        """,
+    ),
 ]
 
 

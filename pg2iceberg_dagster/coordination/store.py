@@ -29,6 +29,8 @@ class TableState:
     iceberg_table: str
     snapshot_complete: bool
     snapshot_lsn: int | None
+    # WAL changes before this LSN may find their row missing from Iceberg (see migration 3).
+    source_fill_until_lsn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,10 @@ class CoordinationStore:
 
     def table_states(self) -> dict[str, TableState]:
         return {
-            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]))
+            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), _lsn(row[5]))
             for row in self.conn.execute(
-                "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text "
-                "FROM _pg2iceberg.tables"
+                "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text, "
+                "source_fill_until_lsn::text FROM _pg2iceberg.tables"
             )
         }
 
@@ -207,11 +209,20 @@ class CoordinationStore:
             (rows, read_mode, iceberg_snapshot_id, table_name, index),
         )
 
-    def mark_snapshot_complete(self, table_name: str) -> None:
+    def mark_snapshot_complete(self, table_name: str, source_wal_lsn: int) -> None:
+        """Mark the table's snapshot complete at the source's WAL position ``source_wal_lsn``.
+
+        If any chunk was read under plain REPEATABLE READ (the exported snapshot was lost), chunks saw
+        the table at different moments: a row updated in between can have moved into a chunk read
+        earlier and be missing from Iceberg until its WAL change re-creates it. Changes up to this
+        position therefore take their unchanged columns from the source (``source_fill_until_lsn``).
+        """
         self.conn.execute(
-            "UPDATE _pg2iceberg.tables SET snapshot_complete = true, snapshot_completed_at = now() "
-            "WHERE table_name = %s",
-            (table_name,),
+            "UPDATE _pg2iceberg.tables SET snapshot_complete = true, snapshot_completed_at = now(), "
+            "source_fill_until_lsn = CASE WHEN EXISTS (SELECT 1 FROM _pg2iceberg.snapshot_progress p "
+            "WHERE p.table_name = %s AND p.read_mode = 'repeatable_read') THEN %s::pg_lsn END "
+            "WHERE table_name = %s AND NOT snapshot_complete",
+            (table_name, format_lsn(source_wal_lsn), table_name),
         )
 
     # staged log ----------------------------------------------------------------------------------

@@ -23,11 +23,14 @@ from pyiceberg.table import Table
 
 from ..config import PipelineConfig
 from ..coordination.store import CoordinationStore, LogEntry
+from ..faults import crash_point
 from ..iceberg.catalog import evolve_schema, table_identifier
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
+from ..source.connection import connect
 from ..staging.codec import DELETE, decode
 from ..staging.store import ObjectStore
 from .fold import FoldResult, fold
+from .source_fill import fill_from_source
 
 OP_COLUMN = "_op"
 UNCHANGED_COLUMN = "_unchanged"
@@ -206,14 +209,22 @@ class Materializer:
                 entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
                 if not entries:
                     break
-                self._apply_batch(table_key, cursor, entries, result)
+                self._apply_batch(table_key, cursor, entries, result, state.source_fill_until_lsn)
                 result.batches += 1
         result.cursor, result.head = self.lag(table_key)
         result.seconds = time.monotonic() - started
         return result
 
-    def _apply_batch(self, table_key: str, cursor: int, entries: list[LogEntry], result: MergeResult) -> None:
-        identifier = table_identifier(self.config, self.config.table(table_key))
+    def _apply_batch(
+        self,
+        table_key: str,
+        cursor: int,
+        entries: list[LogEntry],
+        result: MergeResult,
+        source_fill_until_lsn: int | None,
+    ) -> None:
+        table_config = self.config.table(table_key)
+        identifier = table_identifier(self.config, table_config)
         table = self.catalog.load_table(identifier)
         key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
         batches = []
@@ -225,6 +236,9 @@ class Materializer:
             batches.append((relation, changes[skip:]))
         folded = fold(batches, key)
         fill_moved_keys(folded, table, key)
+        if source_fill_until_lsn is not None and entries[0].first_lsn < source_fill_until_lsn:
+            with connect(self.config.source) as conn:
+                fill_from_source(conn, table_config.schema_name, table_config.table_name, folded, key)
         changes = []
         for relation in folded.relations:
             changes.extend(evolve_schema(table, relation.columns))
@@ -249,6 +263,7 @@ class Materializer:
         table = self.catalog.load_table(identifier)
         snapshot = table.current_snapshot()
         last = entries[-1]
+        crash_point("materializer.after_commit")
         self.store.advance_mat_cursor(
             self.group, table_key, last.end_offset, last.flushable_lsn, snapshot.snapshot_id if snapshot else None
         )

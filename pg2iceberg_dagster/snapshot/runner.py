@@ -18,9 +18,11 @@ from pyiceberg.catalog import Catalog
 
 from ..config import PipelineConfig
 from ..coordination.store import Chunk, CoordinationStore
+from ..faults import crash_point
 from ..iceberg.catalog import ensure_table, table_identifier
 from ..source.catalog import SourceTable, table_pages
 from ..source.connection import connect
+from ..source.lsn import current_wal_lsn
 from ..validation import StartupReport, slot_info
 from .chunks import (
     arrow_schema_for,
@@ -84,9 +86,11 @@ class SnapshotRunner:
         identifier = table_identifier(self.config, self.config.table(table.key))
         schema = arrow_schema_for(self.catalog.load_table(identifier))
         data = read_chunk(self.config.source, table, chunk, schema, snapshot_name)
+        crash_point("snapshot.mid_chunk")
         lock = self._commit_locks.setdefault(table.key, threading.Lock())
         with lock:
             snapshot_id = commit_chunk(self.catalog.load_table(identifier), chunk, data, table.primary_key)
+        crash_point("snapshot.after_chunk_commit")
         self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
         return data.rows.num_rows
 
@@ -120,7 +124,8 @@ class SnapshotRunner:
     def complete_if_done(self, table_key: str) -> bool:
         """Mark the table's snapshot complete once every chunk is done."""
         if all(chunk.done for chunk in self.store.chunks(table_key)):
-            self.store.mark_snapshot_complete(table_key)
+            with connect(self.config.source) as conn:
+                self.store.mark_snapshot_complete(table_key, current_wal_lsn(conn))
             return True
         return False
 
