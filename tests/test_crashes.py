@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 
 from pg2iceberg_dagster.coordination.store import CoordinationStore
+from pg2iceberg_dagster.faults import CRASH_ENV
 from pg2iceberg_dagster.source.replication import ReplicationStream
 
 from .conftest import SourceDb, assert_mirrored, sync
@@ -151,3 +159,29 @@ def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(source: S
     assert second.snapshot()["public.docs"].read_modes == {"repeatable_read"}
     sync(second)
     assert_mirrored(second)
+
+
+def test_process_killed_after_chunk_commit_resumes(source: SourceDb, tmp_path: Path) -> None:
+    """``snapshot`` dies by SIGKILL after a chunk's Iceberg commit, before it is recorded as done.
+
+    The rerun recognises the chunk by the marker in its Iceberg commit. Found by the soak (seed 7):
+    recording the recovered chunk violated the read_mode constraint, so the snapshot never completed.
+    """
+    _orders(source, 3000)
+    config = source.config(["public.orders"], snapshot={"chunk_pages": 4, "parallelism": 1})
+    config_path = tmp_path / "pg2iceberg.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    died = subprocess.run(
+        [sys.executable, "-m", "pg2iceberg_dagster.cli", "-c", str(config_path), "snapshot"],
+        env={**os.environ, CRASH_ENV: "snapshot.after_chunk_commit:2"},
+        capture_output=True,
+        timeout=300,
+    )
+    assert died.returncode == -signal.SIGKILL
+    pipeline = source.pipeline(config)
+    assert sum(c.done for c in pipeline.store.chunks("public.orders")) == 1, "the second chunk is not recorded"
+    source.execute("UPDATE public.orders SET v = 'after the crash' WHERE id % 9 = 0")
+    results = pipeline.snapshot()
+    assert results["public.orders"].complete
+    sync(pipeline)
+    assert_mirrored(pipeline)

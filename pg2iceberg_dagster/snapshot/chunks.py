@@ -18,6 +18,7 @@ from ..source.connection import connect
 
 MIN_CTID_RANGE_VERSION = 140000
 CHUNK_MARKER = "pg2iceberg.snapshot-chunk"
+CHUNK_READ_MODE = "pg2iceberg.snapshot-read-mode"
 EXPORTED_SNAPSHOT = "exported_snapshot"
 REPEATABLE_READ = "repeatable_read"
 
@@ -89,9 +90,15 @@ def chunk_marker(chunk: Chunk) -> str:
     return f"{chunk.table_name}#{chunk.index}"
 
 
-def committed_chunk_markers(table: Table) -> set[str]:
-    """Chunks whose rows are already in ``table`` (the marker rides in the snapshot summary)."""
-    return {summary[CHUNK_MARKER] for summary in snapshot_summaries(table) if CHUNK_MARKER in summary}
+def committed_chunk_markers(table: Table) -> dict[str, str]:
+    """Chunks whose rows are already in ``table``, with the mode they were read in (both ride in the
+    snapshot summary; a marker without a mode counts as REPEATABLE READ, the mode that asks more of
+    the materializer)."""
+    return {
+        summary[CHUNK_MARKER]: summary.get(CHUNK_READ_MODE, REPEATABLE_READ)
+        for summary in snapshot_summaries(table)
+        if CHUNK_MARKER in summary
+    }
 
 
 def commit_chunk(table: Table, chunk: Chunk, data: ChunkData, primary_key: tuple[str, ...]) -> int | None:
@@ -101,7 +108,7 @@ def commit_chunk(table: Table, chunk: Chunk, data: ChunkData, primary_key: tuple
     same commit makes a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
     be there (it moved pages since an earlier chunk read it), so rows are upserted by primary key.
     """
-    marker = {CHUNK_MARKER: chunk_marker(chunk)}
+    marker = {CHUNK_MARKER: chunk_marker(chunk), CHUNK_READ_MODE: data.read_mode}
 
     def commit() -> int | None:
         table.refresh()

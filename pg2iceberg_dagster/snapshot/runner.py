@@ -76,9 +76,10 @@ class SnapshotRunner:
         )
         committed = committed_chunk_markers(iceberg_table)
         for chunk in chunks:
-            if not chunk.done and chunk_marker(chunk) in committed:
+            read_mode = committed.get(chunk_marker(chunk))
+            if not chunk.done and read_mode is not None:
                 # Committed to Iceberg before a crash, but not recorded: the marker proves it.
-                self.store.mark_chunk_done(table.key, chunk.index, 0, "recovered", None)
+                self.store.mark_chunk_done(table.key, chunk.index, 0, read_mode, None)
         return self.store.chunks(table.key)
 
     def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
