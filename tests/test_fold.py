@@ -265,6 +265,24 @@ def test_key_change_without_earlier_row_fills_from_old_key() -> None:
     assert moved.fill_from_key == ("1",)
 
 
+def test_update_after_key_change_keeps_filling_from_old_key() -> None:
+    """A moved row updated again, TOAST still untouched: the column still comes from the old key's row.
+
+    Found by the soak (seed 10): the second update dropped the link and the column became NULL.
+    """
+    result = fold_one(
+        [
+            change(DELETE, 10, {"id": "1", "name": None, "big": None}),
+            change(UPDATE, 10, {"id": "2", "name": "moved"}, unchanged=["big"]),
+            change(UPDATE, 20, {"id": "2", "name": "again"}, unchanged=["big"]),
+        ]
+    )
+    row = result.rows[("2",)]
+    assert row.data["name"] == "again"
+    assert row.unchanged == frozenset({"big"})
+    assert row.fill_from_key == ("1",)
+
+
 def test_codec_round_trip() -> None:
     """encode/decode preserve the relation, order, ops, LSNs, xids, timestamps, unchanged and NULLs."""
     relation = StagedRelation(table="public.docs", columns=(*RELATION.columns, SourceColumn("tags", TEXT_ARRAY, False)))

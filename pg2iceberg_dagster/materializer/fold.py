@@ -74,6 +74,9 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
                     if name in previous.data:
                         data[name] = previous.data[name]
                         unchanged.discard(name)
+                if fill_from_key is None:
+                    # Still unchanged since the row moved: the values live where the move's did.
+                    fill_from_key = previous.fill_from_key
             result.rows[key] = FoldedRow(
                 UPSERT, data, frozenset(unchanged), relation, fill_from_key if unchanged else None
             )
