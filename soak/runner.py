@@ -1,0 +1,352 @@
+"""One soak scenario: a seeded workload, CLI processes that really die, restarts, catch-up, verify.
+
+Per seed the runner creates a fresh source database and pipeline, then:
+
+1. runs ``snapshot`` in a child process while the workload writes, with a crash point armed or a
+   ``kill -9`` at a random moment, and reruns it until it completes;
+2. runs ``stream`` in a child process while the workload writes, killing it (armed crash points and
+   ``kill -9`` after a seed-chosen number of transactions) and restarting it, with merges in between;
+3. optionally runs ``materialize`` in a child process that dies right after its Iceberg commit;
+4. stops the writes, catches up, merges, collects garbage, and compares every table row by row.
+
+Whatever dies is a real process death (SIGKILL), never an exception the engine could catch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import yaml
+from psycopg import sql
+
+from pg2iceberg_dagster.cleanup import collect_garbage
+from pg2iceberg_dagster.config import PipelineConfig, load_config
+from pg2iceberg_dagster.faults import CRASH_ENV
+from pg2iceberg_dagster.pipeline import Pipeline
+
+from .workload import Workload
+
+SNAPSHOT_FAULTS = ["snapshot.mid_chunk", "snapshot.after_chunk_commit", "kill"]
+STREAM_FAULTS = [
+    "flusher.mid_transaction",
+    "flusher.during_spill",
+    "flusher.after_upload",
+    "flusher.after_register",
+    "kill",
+]
+MATERIALIZE_FAULT = "materializer.after_commit"
+
+
+@dataclass
+class Cluster:
+    """Where the scenarios run: a PostgreSQL server, the Iceberg catalog database and a warehouse."""
+
+    host: str
+    port: int
+    catalog_db: str
+    warehouse: Path
+    user: str = "postgres"
+
+    def conninfo(self, dbname: str) -> str:
+        return f"host={self.host} port={self.port} dbname={dbname} user={self.user}"
+
+
+@dataclass
+class Profile:
+    """How big a scenario is."""
+
+    initial_rows: int = 300
+    snapshot_writes: int = 15
+    stream_writes: int = 60
+    big_rows: int = 4000
+    stream_kills: int = 2
+    materialize_fault_rate: float = 0.2
+
+
+@dataclass
+class ScenarioResult:
+    """What one seed did and whether the mirror came out exact."""
+
+    seed: int
+    faults: Counter[str] = field(default_factory=Counter)
+    armed_not_reached: Counter[str] = field(default_factory=Counter)
+    restarts: int = 0
+    transactions: Counter[str] = field(default_factory=Counter)
+    divergences: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.divergences
+
+
+class ChildProcess:
+    """A ``pg2iceberg-dagster`` command in its own process, with an optional armed crash point."""
+
+    def __init__(self, config_path: Path, args: list[str], crash_at: str | None, log: Path) -> None:
+        env = {key: value for key, value in os.environ.items() if key != CRASH_ENV}
+        if crash_at:
+            env[CRASH_ENV] = crash_at
+        self.log = log.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pg2iceberg_dagster.cli", "-c", str(config_path), *args],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            if self.process.returncode is not None:
+                self.log.close()
+
+    def stop(self, timeout: float = 60) -> int:
+        """Ask it to finish what it buffered (SIGTERM) and wait."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+
+def write_config(cluster: Cluster, name: str, tables: list[str], directory: Path) -> Path:
+    """The scenario's pipeline YAML: small chunks, frequent flushes, a small in-memory transaction bound."""
+    data = {
+        "source": {"host": cluster.host, "port": cluster.port, "dbname": name, "user": cluster.user},
+        "tables": [{"name": table} for table in tables],
+        "replication": {"slot": f"slot_{name}", "publication": f"pub_{name}", "status_interval_seconds": 1},
+        "staging": {"url": f"file://{directory}/staging"},
+        "iceberg": {
+            "catalog": {"postgres": {"host": cluster.host, "port": cluster.port, "dbname": cluster.catalog_db}},
+            "warehouse": f"file://{cluster.warehouse}",
+            "namespace": f"{name}_{{schema}}",
+        },
+        "snapshot": {"chunk_pages": 4, "parallelism": 2},
+        "flush": {"interval_seconds": 0.3, "max_rows": 2000, "txn_memory_bytes": 256 * 1024},
+        "materialize": {"interval_seconds": 1},
+    }
+    path = directory / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class Scenario:
+    """Runs one seed against ``cluster``; ``spark`` is the session used for in-process merges."""
+
+    def __init__(self, cluster: Cluster, workdir: Path, seed: int, spark: Any, profile: Profile) -> None:
+        self.cluster = cluster
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.profile = profile
+        self.spark = spark
+        self.name = f"soak{seed}_{uuid.uuid4().hex[:6]}"
+        self.directory = workdir / self.name
+        self.directory.mkdir(parents=True)
+        self.log = self.directory / "processes.log"
+        self.result = ScenarioResult(seed)
+        self.workload = Workload(cluster.conninfo(self.name), seed, profile.initial_rows, profile.big_rows)
+        self.config_path: Path | None = None
+
+    def run(self) -> ScenarioResult:
+        started = time.monotonic()
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.name)))
+        try:
+            self.workload.setup()
+            self.config_path = write_config(self.cluster, self.name, self.workload.table_keys(), self.directory)
+            self._snapshot_phase()
+            self._stream_phase()
+            self._finish()
+        except Exception as exc:  # the report names the seed; the log file has the processes' output
+            self.result.error = f"{type(exc).__name__}: {exc} (log: {self.log})"
+        finally:
+            self.workload.close()
+            self._drop_slot()
+        self.result.transactions = self.workload.kinds
+        self.result.seconds = time.monotonic() - started
+        return self.result
+
+    def _child(self, args: list[str], crash_at: str | None) -> ChildProcess:
+        assert self.config_path is not None
+        self._wait_slot_released()
+        return ChildProcess(self.config_path, args, crash_at, self.log)
+
+    def _wait_slot_released(self, timeout: float = 30) -> None:
+        """A killed consumer's walsender notices the dead socket a moment later; the next one waits."""
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_replication_slots WHERE database = %s AND active", (self.name,)
+                ).fetchone()
+                if row is not None and row[0] == 0:
+                    return
+                time.sleep(0.1)
+        raise RuntimeError("the replication slot stayed active after its consumer died")
+
+    def _wait_streaming(self, child: ChildProcess, timeout: float = 60) -> None:
+        """Wait until ``child`` holds the slot, so writes land while it streams and SIGTERM finds its handler."""
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            while child.alive() and time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_replication_slots WHERE database = %s AND active", (self.name,)
+                ).fetchone()
+                if row is not None and row[0] > 0:
+                    return
+                time.sleep(0.1)
+
+    def _record_death(self, fault: str | None, code: int) -> None:
+        if code == -signal.SIGKILL:
+            self.result.faults[(fault or "kill").split(":")[0]] += 1
+            self.result.restarts += 1
+        elif code != 0:
+            raise RuntimeError(f"child exited with {code}, expected 0 or SIGKILL")
+        elif fault:
+            self.result.armed_not_reached[fault.split(":")[0]] += 1
+
+    def _armed(self, fault: str) -> str | None:
+        """The crash-point spec for ``fault``, or None for a kill from outside."""
+        return None if fault == "kill" else f"{fault}:{self.rng.randint(1, 3)}"
+
+    def _writes_while(self, child: ChildProcess, count: int, kill_after: int | None) -> int:
+        """Run up to ``count`` transactions while ``child`` lives; kill it after ``kill_after`` of them."""
+        done = 0
+        while done < count and child.alive():
+            self.workload.step()
+            done += 1
+            if kill_after is not None and done == kill_after:
+                child.kill()
+        return done
+
+    def _snapshot_phase(self) -> None:
+        self.workload.allow_ddl = False
+        fault = self.rng.choice(SNAPSHOT_FAULTS)
+        armed = self._armed(fault)
+        child = self._child(["snapshot"], armed)
+        kill_after = self.rng.randint(0, 3) if fault == "kill" else None
+        if kill_after == 0:
+            child.kill()
+        self._writes_while(child, self.profile.snapshot_writes, kill_after)
+        self._record_death(fault, child.wait(600))
+        for _ in range(3):  # restarts until the snapshot is complete
+            retry = self._child(["snapshot"], None)
+            self._writes_while(retry, 3, None)
+            if retry.wait(600) == 0:
+                break
+        else:
+            raise RuntimeError("snapshot did not complete after restarts")
+        self.workload.allow_ddl = True
+
+    def _stream_phase(self) -> None:
+        remaining = self.profile.stream_writes
+        kills = self.profile.stream_kills
+        while remaining > 0:
+            fault = self.rng.choice(STREAM_FAULTS) if kills > 0 else None
+            kills -= 1
+            armed = self._armed(fault) if fault else None
+            child = self._child(["stream"], armed)
+            self._wait_streaming(child)
+            kill_after = self.rng.randint(1, max(1, remaining)) if fault == "kill" else None
+            done = self._writes_while(child, remaining, kill_after)
+            remaining -= done
+            code = child.stop() if child.alive() else child.wait()
+            self._record_death(fault, code)
+            if self.rng.random() < 0.5:
+                self._pipeline_call(lambda p: p.materialize())  # a merge while the log keeps growing
+
+    def _pipeline_call(self, action: Any) -> Any:
+        assert self.config_path is not None
+        config: PipelineConfig = load_config(str(self.config_path))
+        with Pipeline(config, spark_factory=lambda: self.spark) as pipeline:
+            return action(pipeline)
+
+    def _finish(self) -> None:
+        if self.rng.random() < self.profile.materialize_fault_rate:
+            self._pipeline_call(lambda p: p.stream(until_caught_up=True))
+            child = self._child(["materialize", "--once"], MATERIALIZE_FAULT)
+            self._record_death(MATERIALIZE_FAULT, child.wait(900))
+
+        def catch_up_and_verify(pipeline: Pipeline) -> None:
+            pipeline.stream(until_caught_up=True)
+            pipeline.materialize()
+            collect_garbage(pipeline.config, pipeline.store)
+            for diff in pipeline.verify():
+                if not diff.ok:
+                    self.result.divergences.append(
+                        {
+                            "table": diff.table,
+                            "pg_rows": diff.pg_rows,
+                            "iceberg_rows": diff.iceberg_rows,
+                            "only_in_pg": diff.only_in_pg,
+                            "only_in_iceberg": diff.only_in_iceberg,
+                            "different": diff.different,
+                            "duplicate_keys": diff.duplicate_keys,
+                            "examples": {k: [str(x) for x in v] for k, v in diff.examples.items()},
+                        }
+                    )
+
+        self._pipeline_call(catch_up_and_verify)
+
+    def _drop_slot(self) -> None:
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                "WHERE database = %s AND active_pid IS NOT NULL",
+                (self.name,),
+            )
+            time.sleep(0.2)
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
+                (self.name,),
+            )
+
+
+def run_scenario(
+    cluster: Cluster, workdir: Path, seed: int, spark: Any, profile: Profile | None = None
+) -> ScenarioResult:
+    """Run one seed end to end and return its result (divergences empty when the mirror is exact)."""
+    return Scenario(cluster, workdir, seed, spark, profile or Profile()).run()
+
+
+def summarize(results: list[ScenarioResult]) -> dict[str, Any]:
+    """The soak report: seeds, faults injected by kind, restarts, transactions, divergences."""
+    faults: Counter[str] = Counter()
+    unreached: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    for result in results:
+        faults.update(result.faults)
+        unreached.update(result.armed_not_reached)
+        kinds.update(result.transactions)
+    failed = [r for r in results if not r.ok]
+    return {
+        "seeds": len(results),
+        "seeds_ok": len(results) - len(failed),
+        "faults_injected": dict(sorted(faults.items())),
+        "faults_injected_total": sum(faults.values()),
+        "armed_but_not_reached": dict(sorted(unreached.items())),
+        "restarts": sum(r.restarts for r in results),
+        "transactions": dict(sorted(kinds.items())),
+        "transactions_total": sum(kinds.values()),
+        "seconds": round(sum(r.seconds for r in results), 1),
+        "failures": [{"seed": r.seed, "error": r.error, "divergences": r.divergences} for r in failed],
+    }

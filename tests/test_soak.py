@@ -1,0 +1,31 @@
+"""The CI set of the soak: 20 seeded workloads with real process deaths, each ending exact.
+
+Each seed runs ``soak.runner``: the snapshot, stream and (for some seeds) materialize commands in
+child processes that die by SIGKILL at armed crash points or from outside at random moments, are
+restarted, catch up, and then every table is compared row by row. The long run is ``python -m soak``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from soak.runner import Cluster, Profile, run_scenario
+
+from .conftest import CATALOG_DB
+
+CI_SEEDS = range(1, 21)
+CI_PROFILE = Profile(initial_rows=200, snapshot_writes=10, stream_writes=40, big_rows=3000, materialize_fault_rate=0.25)
+
+
+@pytest.mark.parametrize("seed", CI_SEEDS)
+def test_seeded_workload_with_crashes_ends_exact(seed: int, pg: EmbeddedPostgres, workdir: Path, spark: Any) -> None:
+    cluster = Cluster("127.0.0.1", pg.port, CATALOG_DB, workdir / "warehouse")
+    result = run_scenario(cluster, workdir / "soak", seed, spark, CI_PROFILE)
+    assert result.error is None, result.error
+    assert not result.divergences, json.dumps(result.divergences, indent=1)
+    assert sum(result.faults.values()) >= 1, "every seed must kill at least one process"
