@@ -33,6 +33,7 @@ text tuples in the WAL) and are parsed by psycopg's text loaders, so both paths 
 from __future__ import annotations
 
 import itertools
+import struct
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -159,8 +160,20 @@ def text_loaders(columns: Sequence[SourceColumn]) -> list[Callable[[bytes], Any]
         loader_class = adapters.get_loader(oid, Format.TEXT)
         if loader_class is None:
             loader_class = adapters.get_loader(TEXT_OID, Format.TEXT)
-        loaders.append(loader_class(oid, None).load)  # type: ignore[misc]
+        load = loader_class(oid, None).load  # type: ignore[misc]
+        loaders.append(_single_precision(load) if column.type.kind == "float4" else load)
     return loaders
+
+
+def _single_precision(load: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A ``real`` keeps its exact single-precision value, also once Iceberg widened the column to
+    double: PostgreSQL's real -> double cast is exact, while parsing the short text form of a real
+    (``248413.11``) as a double gives a different number than the cast (``248413.109375``)."""
+
+    def load_single(data: bytes) -> Any:
+        return struct.unpack("f", struct.pack("f", load(data)))[0]
+
+    return load_single
 
 
 def _arrow_value(value: Any) -> Any:
