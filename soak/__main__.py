@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from pg2iceberg_dagster.config import parse_config
-from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.materializer.spark import build_spark_session
 
 from .runner import Cluster, Profile, ScenarioResult, run_scenario, summarize
 
 CATALOG_DB = "iceberg_catalog"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[ScenarioResult] = []
     with tempfile.TemporaryDirectory(prefix="pg2iceberg-soak-") as directory:
         root = Path(directory)
-        pg = EmbeddedPostgres(root / "pg", _free_port())
+        pg = EmbeddedPostgres(root / "pg", free_port())
         pg.start()
         try:
             pg.create_database(CATALOG_DB)

@@ -7,7 +7,6 @@ so tests never see each other's state while sharing the expensive parts.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,16 +17,10 @@ import psycopg
 import pytest
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
-from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.pipeline import Pipeline
 
 CATALOG_DB = "iceberg_catalog"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +31,7 @@ def workdir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def pg(workdir: Path) -> Iterator[EmbeddedPostgres]:
-    cluster = EmbeddedPostgres(workdir / "pg", int(os.environ.get("PG2ICEBERG_TEST_PORT", _free_port())))
+    cluster = EmbeddedPostgres(workdir / "pg", int(os.environ.get("PG2ICEBERG_TEST_PORT", free_port())))
     cluster.start()
     cluster.create_database(CATALOG_DB)
     try:
