@@ -27,6 +27,12 @@ class UnsupportedTypeError(Pg2IcebergError):
     exit_code = 3
 
 
+class SchemaChangeError(Pg2IcebergError):
+    """A source schema change that the WAL does not carry, so merging past it would diverge."""
+
+    exit_code = 3
+
+
 class SlotBusyError(Pg2IcebergError):
     """Another process is consuming the replication slot."""
 

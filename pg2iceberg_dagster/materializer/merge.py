@@ -21,11 +21,13 @@ import pyarrow.parquet as pq
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
-from ..config import PipelineConfig
+from ..config import PipelineConfig, TableConfig
 from ..coordination.store import CoordinationStore, LogEntry
+from ..errors import SchemaChangeError
 from ..faults import crash_point
 from ..iceberg.catalog import evolve_schema, table_identifier
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
+from ..source.catalog import columns_added_with_default
 from ..source.connection import connect
 from ..staging.codec import DELETE, decode
 from ..staging.store import ObjectStore
@@ -239,6 +241,9 @@ class Materializer:
         if source_fill_until_lsn is not None and entries[0].first_lsn < source_fill_until_lsn:
             with connect(self.config.source) as conn:
                 fill_from_source(conn, table_config.schema_name, table_config.table_name, folded, key)
+        added = {c.name for relation in folded.relations for c in relation.columns} - set(table.schema().column_names)
+        if added:
+            self._refuse_defaulted_columns(table_config, added)
         changes = []
         for relation in folded.relations:
             changes.extend(evolve_schema(table, relation.columns))
@@ -275,6 +280,19 @@ class Materializer:
         result.schema_changes += tuple(changes)
         result.last_lsn = last.flushable_lsn
         result.snapshot_id = snapshot.snapshot_id if snapshot else None
+
+    def _refuse_defaulted_columns(self, table_config: TableConfig, added: set[str]) -> None:
+        """Stop before a column added with a default reaches Iceberg: older rows hold the default in
+        PostgreSQL without any WAL change, so merging on would leave them NULL in the mirror."""
+        with connect(self.config.source) as conn:
+            defaulted = columns_added_with_default(conn, table_config.schema_name, table_config.table_name, added)
+        if defaulted:
+            raise SchemaChangeError(
+                f"{table_config.key}: column(s) {', '.join(defaulted)} were added with a default; rows that "
+                "existed before the ALTER hold it without a WAL change, so the mirror cannot follow. Snapshot "
+                f"the table again: pg2iceberg-dagster cleanup --table {table_config.key}, then snapshot. "
+                "(Add the column without a default, then UPDATE, to keep replicating through such a change.)"
+            )
 
     def run_once(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
         """Bring every (or the given) table up to its current head."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from ..config import TableConfig
 from ..errors import StartupCheckError
@@ -203,3 +205,17 @@ def modification_count(conn: psycopg.Connection, oid: int) -> int:
         "SELECT coalesce(n_tup_ins + n_tup_upd + n_tup_del, 0) FROM pg_stat_user_tables WHERE relid = %s", (oid,)
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def columns_added_with_default(
+    conn: psycopg.Connection, schema_name: str, table_name: str, names: Iterable[str]
+) -> list[str]:
+    """Of ``names``, the columns added with a non-NULL default that rows older than the ALTER still
+    take from the catalog (``atthasmissing``): PostgreSQL writes no WAL change for those rows."""
+    table = sql.Identifier(schema_name, table_name).as_string(conn)
+    rows = conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attname = ANY(%s) "
+        "AND atthasmissing AND NOT attisdropped ORDER BY attnum",
+        (table, list(names)),
+    )
+    return [name for (name,) in rows]
