@@ -16,7 +16,9 @@ import pytest
 import yaml
 from dagster import AssetKey, DagsterInstance
 
-from .conftest import SourceDb, _free_port, assert_mirrored
+from pg2iceberg_dagster.embedded import free_port
+
+from .conftest import SourceDb, assert_mirrored
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_SECONDS = 300
@@ -45,7 +47,7 @@ def dagster_dev(source: SourceDb, tmp_path: Path) -> Iterator[tuple[Path, str]]:
             "-h",
             "127.0.0.1",
             "-p",
-            str(_free_port()),
+            str(free_port()),
         ],
         cwd=ROOT,
         env=env,

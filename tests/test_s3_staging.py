@@ -10,17 +10,18 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from pg2iceberg_dagster.cleanup import collect_garbage
+from pg2iceberg_dagster.embedded import free_port
 from pg2iceberg_dagster.staging.codec import decode
 from pg2iceberg_dagster.staging.store import ObjectStore
 
-from .conftest import SourceDb, _free_port
+from .conftest import SourceDb
 
 BUCKET = "pg2iceberg-staging"
 
 
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     monkeypatch.setenv("TEST_S3_KEY", "testing")

@@ -8,11 +8,11 @@ import psycopg
 import pytest
 
 from pg2iceberg_dagster.config import parse_config
-from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.errors import Pg2IcebergError, SlotBusyError, StartupCheckError, UnsupportedTypeError
 from pg2iceberg_dagster.source.replication import ReplicationStream
 
-from .conftest import SourceDb, _free_port
+from .conftest import SourceDb
 
 
 def _table(source: SourceDb, ddl: str = "CREATE TABLE public.t (id int PRIMARY KEY, v text)") -> None:
@@ -95,7 +95,7 @@ def test_foreign_slot_is_not_adopted(source: SourceDb) -> None:
 
 
 def test_wal_level_and_unreachable_server(tmp_path: Path, source: SourceDb) -> None:
-    cluster = EmbeddedPostgres(tmp_path / "replica_level", _free_port())
+    cluster = EmbeddedPostgres(tmp_path / "replica_level", free_port())
     cluster.init()
     with open(cluster.data_dir / "postgresql.conf", "a") as conf:
         conf.write("wal_level = replica\n")
@@ -109,6 +109,6 @@ def test_wal_level_and_unreachable_server(tmp_path: Path, source: SourceDb) -> N
         _refuses(source, parse_config(data), "wal_level is 'replica'")
     finally:
         cluster.stop()
-    data["source"]["port"] = _free_port()
+    data["source"]["port"] = free_port()
     with pytest.raises(Pg2IcebergError, match=r"cannot connect to postgresql://postgres@127\.0\.0\.1"):
         source.pipeline(parse_config(data)).validate()
