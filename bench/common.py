@@ -1,0 +1,306 @@
+"""What every benchmark shares: a throwaway PostgreSQL, pipeline configs, data sets, and the report.
+
+Each benchmark measures a physical limit (raw ``COPY``, ``pg_recvlogical``...) and our pipeline in
+the same run on the same cluster, and prints both and their ratio: a short table for people and one
+JSON document (also written to ``--json PATH``) for scripts. Nothing here is a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import yaml
+
+from pg2iceberg_dagster.config import PipelineConfig, parse_config
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, find_pg_bin, free_port
+
+CATALOG_DB = "iceberg_catalog"
+SOURCE_DB = "bench"
+
+# pgbench_accounts' shape: narrow rows of ~100 bytes.
+NARROW_DDL = "CREATE TABLE {name} (aid bigint PRIMARY KEY, bid int NOT NULL, abalance int NOT NULL, filler char(84))"
+NARROW_FILL = "INSERT INTO {name} SELECT g, 1 + g / 100000, 0, '' FROM generate_series({start}, {stop}) g"
+
+# A wide typed table: text of varying length, exact numerics, timestamps, uuid, jsonb, NULLs.
+WIDE_DDL = (
+    "CREATE TABLE {name} (id bigint PRIMARY KEY, customer_id int, sku text, title text, note text, "
+    "qty smallint, price numeric(12,2), tax numeric(9,4), total numeric(14,2), weight double precision, "
+    "discount real, active boolean, created timestamptz, updated timestamp, ship_date date, "
+    "ref uuid, tags text[], attrs jsonb, status varchar(16), comment text)"
+)
+WIDE_FILL = (
+    "INSERT INTO {name} SELECT g, g % 50000, 'SKU-' || lpad((g % 100000)::text, 6, '0'), "
+    "'product title number ' || g, CASE WHEN g % 3 = 0 THEN NULL ELSE repeat('note ', 1 + g % 20) END, "
+    "(g % 100)::smallint, (g % 100000) / 100.0, (g % 10000) / 10000.0, (g % 1000000) / 10.0, g * 0.001, "
+    "(g % 50) / 100.0, g % 2 = 0, timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', "
+    "timestamp '2026-01-01' + g * interval '1 minute', date '2020-01-01' + (g % 3000), "
+    "md5(g::text)::uuid, ARRAY['a' || (g % 7), 'b' || (g % 11)], "
+    "jsonb_build_object('k', g % 13, 'v', 'x' || g), "
+    "(ARRAY['new','paid','shipped','done'])[1 + g % 4], CASE WHEN g % 5 = 0 THEN 'c' || g END "
+    "FROM generate_series({start}, {stop}) g"
+)
+
+DATASETS = {"narrow": (NARROW_DDL, NARROW_FILL), "wide": (WIDE_DDL, WIDE_FILL)}
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark takes (``--json``, ``--keep``)."""
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0], epilog=doc)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--json", type=Path, help="also write the JSON report to this file")
+    parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed at the end)")
+    return parser
+
+
+@contextlib.contextmanager
+def work_dir(path: Path | None) -> Iterator[Path]:
+    """``path`` if given (kept afterwards), else a temporary directory removed at the end."""
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path.resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix="pg2iceberg-bench-") as directory:
+        yield Path(directory)
+
+
+@contextlib.contextmanager
+def bench_cluster(root: Path, settings: dict[str, str] | None = None) -> Iterator[EmbeddedPostgres]:
+    """A throwaway cluster with the source and catalog databases, stopped by its pid at the end."""
+    cluster = EmbeddedPostgres(root / "pg", free_port())
+    cluster.init()
+    if settings:
+        with open(cluster.data_dir / "postgresql.conf", "a", encoding="utf-8") as conf:
+            conf.writelines(f"{key} = {value}\n" for key, value in settings.items())
+    cluster.start()
+    try:
+        cluster.create_database(SOURCE_DB)
+        cluster.create_database(CATALOG_DB)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def bench_config(pg: EmbeddedPostgres, root: Path, tables: list[str], **sections: Any) -> PipelineConfig:
+    """The embedded-default pipeline config on ``pg`` (file:// staging and warehouse under ``root``).
+
+    A section given as a mapping is merged into the default one (``iceberg={"table_properties": ...}``
+    keeps the catalog); any other value replaces it.
+    """
+    data: dict[str, Any] = {
+        "source": {"host": "127.0.0.1", "port": pg.port, "dbname": SOURCE_DB, "user": "postgres"},
+        "tables": [{"name": name} for name in tables],
+        "staging": {"url": f"file://{root}/staging"},
+        "iceberg": {
+            "catalog": {"postgres": {"host": "127.0.0.1", "port": pg.port, "dbname": CATALOG_DB}},
+            "warehouse": f"file://{root}/warehouse",
+        },
+    }
+    for name, value in sections.items():
+        default = data.get(name)
+        data[name] = {**default, **value} if isinstance(default, dict) and isinstance(value, dict) else value
+    return parse_config(data)
+
+
+def fill_table(pg: EmbeddedPostgres, dataset: str, name: str, rows: int, batch: int = 500_000) -> int:
+    """Create ``name`` with the ``dataset`` shape and ``rows`` rows; returns its heap size in bytes."""
+    ddl, fill = DATASETS[dataset]
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        conn.execute(ddl.format(name=name))
+        for start in range(1, rows + 1, batch):
+            conn.execute(fill.format(name=name, start=start, stop=min(start + batch - 1, rows)))
+        conn.execute(f"VACUUM (FREEZE, ANALYZE) {name}")
+        size = conn.execute("SELECT pg_relation_size(%s)", (name,)).fetchone()
+    return int(size[0]) if size else 0
+
+
+def timed(action: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds ``action`` took, and what it returned."""
+    started = time.perf_counter()
+    result = action()
+    return time.perf_counter() - started, result
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The ``fraction`` quantile (nearest rank) of ``values``."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
+
+
+def peak_rss_of_children_mb() -> float:
+    """Largest resident set of any waited-for child process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def pg_tool(name: str) -> str:
+    """Path of a PostgreSQL client program (``pgbench``, ``pg_recvlogical``) shipped with the server."""
+    return str(find_pg_bin() / name)
+
+
+def pgbench(pg: EmbeddedPostgres, *args: str) -> str:
+    """Run ``pgbench ARGS`` against the source database of ``pg``; returns its output (it fails loudly)."""
+    command = [pg_tool("pgbench"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", pg.superuser, *args, SOURCE_DB]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"pgbench {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout + result.stderr
+
+
+def write_config(config: PipelineConfig, path: Path) -> Path:
+    """Write ``config`` as the YAML file the CLI loads (for benchmarks that run the pipeline as a child)."""
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    return path
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    """A child process run to completion: exit code, wall seconds, and its own peak resident set."""
+
+    returncode: int
+    seconds: float
+    peak_rss_mib: float
+
+
+def run_child(argv: list[str], log: Path | None = None) -> ChildRun:
+    """Run ``argv`` to completion and measure it alone.
+
+    The peak RSS comes from ``wait4`` on this child (Linux reports KiB), not from ``RUSAGE_CHILDREN``,
+    whose maximum runs over every child waited for so far and so could not compare two runs.
+    """
+    output = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    try:
+        started = time.perf_counter()
+        child = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)  # already reaped: keep Popen from waiting again
+    finally:
+        if log:
+            output.close()  # type: ignore[union-attr]
+    return ChildRun(child.returncode, seconds, usage.ru_maxrss / 1024)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    version = subprocess.run(["java", "-version"], capture_output=True, text=True, check=False).stderr
+    return {
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "java": version.splitlines()[0] if version else None,
+        "platform": platform.platform(),
+    }
+
+
+@dataclass
+class Report:
+    """A benchmark's results: rows of a table for people, and the same figures as JSON."""
+
+    benchmark: str
+    parameters: dict[str, Any]
+    columns: list[str]
+    rows: list[list[Any]] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, *values: Any) -> None:
+        self.rows.append(list(values))
+
+    def ratio(self, name: str, value: float, target: float | None = None, at_most: bool = False) -> None:
+        """Record ``name`` = ``value`` and, when given, the target it should reach (or stay under)."""
+        self.ratios[name] = round(value, 3)
+        if target is not None:
+            met = value <= target if at_most else value >= target
+            self.targets[name] = {"target": target, "at_most": at_most, "met": met}
+
+    def emit(self, json_path: Path | None = None) -> dict[str, Any]:
+        """Print the table, the ratios against their targets, and the JSON document."""
+        document = {
+            "benchmark": self.benchmark,
+            "machine": machine(),
+            "parameters": self.parameters,
+            "results": [dict(zip(self.columns, row, strict=True)) for row in self.rows],
+            "ratios": self.ratios,
+            "targets": self.targets,
+        }
+        widths = [max(len(str(c)), *(len(_cell(row[i])) for row in self.rows)) for i, c in enumerate(self.columns)]
+        print()
+        print("  ".join(str(c).ljust(w) for c, w in zip(self.columns, widths, strict=True)))
+        for row in self.rows:
+            print("  ".join(_cell(v).ljust(w) for v, w in zip(row, widths, strict=True)))
+        print()
+        for name, value in self.ratios.items():
+            target = self.targets.get(name)
+            verdict = ""
+            if target is not None:
+                bound = "<=" if target["at_most"] else ">="
+                verdict = f"  (target {bound} {target['target']}: {'met' if target['met'] else 'NOT met'})"
+            print(f"{name}: {value}{verdict}")
+        print(json.dumps(document))
+        if json_path:
+            json_path.write_text(json.dumps(document, indent=1) + "\n")
+        return document
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+BENCH_DIR = Path(__file__).resolve().parent
+PEER_PYTHON = BENCH_DIR.parent / ".venv-peer" / "bin" / "python"
+
+
+def run_dlt_peer(pg: EmbeddedPostgres, table: str, backend: str, dest: Path) -> dict[str, Any]:
+    """Load ``table`` of ``pg``'s source database into a local Iceberg table with dlt, in the peer venv.
+
+    Makes ``.venv-peer`` first if needed (``bench/peer_venv.sh``: dlt, connectorx, pyiceberg pinned apart
+    from the project's venv), then runs ``bench/peer_dlt.py`` there with ``backend`` (``pyarrow`` or
+    ``connectorx``) and ``dest`` (missing or empty: dlt's pipelines dir, catalog and bucket go under
+    it). Returns its JSON report: ``backend``, ``rows`` (read back from Iceberg and checked against the
+    source count), ``seconds`` (the whole dlt run), ``rows_per_second`` and dlt's per-step seconds.
+    """
+    setup = subprocess.run(["bash", str(BENCH_DIR / "peer_venv.sh")], capture_output=True, text=True, check=False)
+    if setup.returncode != 0:
+        raise RuntimeError(f"bench/peer_venv.sh failed (exit {setup.returncode}):\n{_tail(setup.stderr)}")
+    dsn = f"postgresql://{pg.superuser}@127.0.0.1:{pg.port}/{SOURCE_DB}"
+    argv = [str(PEER_PYTHON), str(BENCH_DIR / "peer_dlt.py"), "--dsn", dsn, "--table", table]
+    argv += ["--backend", backend, "--dest", str(dest)]
+    # The peer interpreter must see only its own venv, whatever the caller's environment points at.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    result = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"dlt peer ({backend}, {table}) failed (exit {result.returncode}):\n{_tail(result.stderr or result.stdout)}"
+        )
+    try:
+        return dict(json.loads(lines[-1]))
+    except ValueError as error:
+        raise RuntimeError(f"dlt peer ({backend}, {table}) printed no JSON report: {lines[-1]!r}") from error
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
