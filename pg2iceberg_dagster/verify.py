@@ -7,11 +7,10 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
+from psycopg import sql
 from pyiceberg.table import Table
 
-from .coordination.store import Chunk
-from .iceberg.types import arrow_schema
-from .snapshot.chunks import copy_rows
+from .iceberg.types import arrow_column, arrow_schema, loader_oid
 from .source.catalog import SourceTable
 
 
@@ -33,6 +32,32 @@ class TableDiff:
         return not (self.only_in_pg or self.only_in_iceberg or self.different or self.duplicate_keys)
 
 
+def copy_rows(conn: psycopg.Connection, source: SourceTable, schema: pa.Schema) -> pa.Table:
+    """The whole table as ``schema``, read by ``COPY`` text on ``conn`` (inside the caller's transaction).
+
+    Deliberately not the snapshot's reader: values are parsed from their text form by psycopg's
+    loaders, as the WAL path parses them, so a decoding slip in either path shows up as a difference.
+    """
+    columns = sql.SQL(", ").join(sql.Identifier(column.name) for column in source.columns)
+    query = sql.SQL("COPY (SELECT {} FROM {}.{}) TO STDOUT").format(
+        columns, sql.Identifier(source.schema_name), sql.Identifier(source.table_name)
+    )
+    values: list[list[object]] = [[] for _ in source.columns]
+    with conn.cursor() as cursor, cursor.copy(query) as copy:
+        copy.set_types([loader_oid(column.type) for column in source.columns])
+        for row in copy.rows():
+            for position, value in enumerate(row):
+                values[position].append(value)
+    by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
+    arrays = [
+        arrow_column(by_name[field.name], field.type, field.name)
+        if field.name in by_name
+        else pa.nulls(len(values[0]) if values else 0, field.type)
+        for field in schema
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
 def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tuple[dict[tuple, tuple], int]:
     by_key: dict[tuple, tuple] = {}
     duplicates = 0
@@ -47,7 +72,7 @@ def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tu
 def compare_table(conn: psycopg.Connection, source: SourceTable, iceberg_table: Table, examples: int = 5) -> TableDiff:
     """Compare a table read on ``conn`` (the caller's REPEATABLE READ transaction) with Iceberg."""
     schema = arrow_schema(iceberg_table.schema())
-    pg_rows = copy_rows(conn, source, Chunk(source.key, 0, 0, None), schema)
+    pg_rows = copy_rows(conn, source, schema)
     iceberg_rows = iceberg_table.scan().to_arrow()
     columns = [column.name for column in source.columns]
     pg, _ = _rows_by_key(pg_rows, source.primary_key, columns)

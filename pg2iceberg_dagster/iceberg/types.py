@@ -194,6 +194,20 @@ def _needs_value_conversion(arrow_type: pa.DataType) -> bool:
 
 def arrow_column(values: list[Any], arrow_type: pa.DataType, column: str) -> pa.Array:
     """Python values -> an Arrow array of ``arrow_type``, with the column named in any error."""
+    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and _needs_value_conversion(
+        arrow_type.value_type
+    ):
+        # pyarrow cannot build a list of extension values (uuid[]) from Python objects: build the
+        # elements on their own, then the list around them.
+        lengths = [0 if value is None else len(value) for value in values]
+        offset_type = pa.int64() if pa.types.is_large_list(arrow_type) else pa.int32()
+        offsets = pa.array([0, *itertools.accumulate(lengths)], type=offset_type)
+        elements = arrow_column(
+            [item for value in values if value is not None for item in value], arrow_type.value_type, column
+        )
+        mask = pa.array([value is None for value in values], type=pa.bool_())
+        list_class = pa.LargeListArray if pa.types.is_large_list(arrow_type) else pa.ListArray
+        return list_class.from_arrays(offsets, elements, type=arrow_type, mask=mask)
     if _needs_value_conversion(arrow_type):
         values = [None if value is None else _arrow_value(value) for value in values]
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psycopg
 import pyarrow as pa
 from psycopg import sql
 from pyiceberg.table import Table
@@ -12,9 +11,9 @@ from pyiceberg.table import Table
 from ..config import PostgresConnection
 from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
-from ..iceberg.types import arrow_column, arrow_schema, loader_oid
+from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceTable
-from ..source.connection import connect
+from .reader import conform, read_arrow, select_expressions
 
 MIN_CTID_RANGE_VERSION = 140000
 CHUNK_MARKER = "pg2iceberg.snapshot-chunk"
@@ -38,14 +37,13 @@ def plan_chunks(table_name: str, pages: int, chunk_pages: int, server_version: i
 
 
 def chunk_query(source: SourceTable, chunk: Chunk) -> sql.Composed:
-    """``COPY (SELECT cols FROM t WHERE ctid range) TO STDOUT``; runs as a TID Range Scan on PG 14+."""
-    columns = sql.SQL(", ").join(sql.Identifier(column.name) for column in source.columns)
+    """The chunk's ``SELECT``, a CTID range that runs as a TID Range Scan on PG 14+."""
     conditions = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({chunk.start_page},0)"))]
     if chunk.end_page is not None:
         conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({chunk.end_page},0)")))
     where = sql.SQL(" AND ").join(conditions) if chunk.start_page or chunk.end_page is not None else sql.SQL("true")
-    return sql.SQL("COPY (SELECT {} FROM {}.{} WHERE {}) TO STDOUT").format(
-        columns, sql.Identifier(source.schema_name), sql.Identifier(source.table_name), where
+    return sql.SQL("SELECT {} FROM {}.{} WHERE {}").format(
+        select_expressions(source.columns), sql.Identifier(source.schema_name), sql.Identifier(source.table_name), where
     )
 
 
@@ -55,35 +53,14 @@ class ChunkData:
     read_mode: str
 
 
-def copy_rows(conn: psycopg.Connection, source: SourceTable, chunk: Chunk, schema: pa.Schema) -> pa.Table:
-    """COPY a chunk's rows in text form on ``conn`` (inside the caller's transaction) into Arrow."""
-    values: list[list[object]] = [[] for _ in source.columns]
-    with conn.cursor() as cursor, cursor.copy(chunk_query(source, chunk)) as copy:
-        copy.set_types([loader_oid(column.type) for column in source.columns])
-        for row in copy.rows():
-            for position, value in enumerate(row):
-                values[position].append(value)
-    by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
-    arrays = [
-        arrow_column(by_name[field.name], field.type, field.name)
-        if field.name in by_name
-        else pa.nulls(len(values[0]) if values else 0, field.type)
-        for field in schema
-    ]
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
 def read_chunk(
     target: PostgresConnection, source: SourceTable, chunk: Chunk, schema: pa.Schema, snapshot_name: str | None
 ) -> ChunkData:
-    """Read a chunk under the exported snapshot (or plain REPEATABLE READ when there is none)."""
-    with connect(target, autocommit=False) as conn:
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        if snapshot_name:
-            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
-        rows = copy_rows(conn, source, chunk, schema)
-        conn.rollback()
-    return ChunkData(rows=rows, read_mode=EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ)
+    """Read a chunk as ``schema`` under the exported snapshot (or plain REPEATABLE READ when there is none)."""
+    decoded = read_arrow(target, chunk_query(source, chunk), snapshot_name)
+    return ChunkData(
+        rows=conform(decoded, source, schema), read_mode=EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
+    )
 
 
 def chunk_marker(chunk: Chunk) -> str:

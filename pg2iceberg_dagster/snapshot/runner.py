@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyiceberg.catalog import Catalog
 
 from ..config import PipelineConfig
 from ..coordination.store import Chunk, CoordinationStore
+from ..errors import StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import ensure_table, table_identifier
 from ..source.catalog import SourceTable, table_pages
@@ -25,6 +27,9 @@ from ..source.connection import connect
 from ..source.lsn import current_wal_lsn
 from ..validation import StartupReport, slot_info
 from .chunks import (
+    EXPORTED_SNAPSHOT,
+    REPEATABLE_READ,
+    ChunkData,
     arrow_schema_for,
     chunk_marker,
     commit_chunk,
@@ -82,11 +87,15 @@ class SnapshotRunner:
                 self.store.mark_chunk_done(table.key, chunk.index, 0, read_mode, None)
         return self.store.chunks(table.key)
 
-    def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
-        """Read one chunk and commit it to Iceberg; returns the rows written."""
+    def read_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> ChunkData:
+        """Read one chunk as the Iceberg table's current Arrow schema."""
         identifier = table_identifier(self.config, self.config.table(table.key))
         schema = arrow_schema_for(self.catalog.load_table(identifier))
-        data = read_chunk(self.config.source, table, chunk, schema, snapshot_name)
+        return read_chunk(self.config.source, table, chunk, schema, snapshot_name)
+
+    def write_chunk(self, table: SourceTable, chunk: Chunk, data: ChunkData) -> int:
+        """Commit a chunk's rows to Iceberg, then record the chunk as done; returns the rows written."""
+        identifier = table_identifier(self.config, self.config.table(table.key))
         crash_point("snapshot.mid_chunk")
         lock = self._commit_locks.setdefault(table.key, threading.Lock())
         with lock:
@@ -94,6 +103,10 @@ class SnapshotRunner:
         crash_point("snapshot.after_chunk_commit")
         self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
         return data.rows.num_rows
+
+    def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
+        """Read one chunk and commit it to Iceberg; returns the rows written."""
+        return self.write_chunk(table, chunk, self.read_chunk(table, chunk, snapshot_name))
 
     def run_partitions(
         self, table_key: str, partition_keys: Iterable[str], config_path: str, holder_max_seconds: float = 6 * 3600
@@ -118,6 +131,13 @@ class SnapshotRunner:
             if snapshot_name is None and slot_info_missing(self.config):
                 process = spawn_holder(config_path, holder_max_seconds)
                 snapshot_name = wait_for_advertised_snapshot(self.store, self.config, process)
+                if snapshot_name is None and slot_info_missing(self.config):
+                    # Reading now would leave these rows with no WAL to replay the changes after them.
+                    raise StartupCheckError(
+                        f"the snapshot holder (`pg2iceberg-dagster -c {config_path} hold-snapshot`) exited without "
+                        f"creating replication slot {self.config.replication.slot}; no chunk is read without it. "
+                        "Run that command by hand to see why, then retry the chunk runs"
+                    )
             self.run_chunks([(table, chunk) for chunk in pending], snapshot_name, {table_key: result})
         result.complete = self.complete_if_done(table_key)
         return result
@@ -169,25 +189,60 @@ class SnapshotRunner:
         results: dict[str, TableSnapshotResult],
         on_chunk: ChunkCallback | None = None,
     ) -> None:
-        """Run chunks in parallel (up to ``snapshot.parallelism``), adding to ``results``; the first
-        failure cancels what has not started and is raised."""
-        mode = "exported_snapshot" if snapshot_name else "repeatable_read"
-        with ThreadPoolExecutor(max_workers=self.config.snapshot.parallelism, thread_name_prefix="chunk") as pool:
-            futures = {
-                pool.submit(self.run_chunk, table, chunk, snapshot_name): (table, chunk) for table, chunk in work
-            }
+        """Run chunks, adding to ``results``; the first failure cancels what has not started and is raised.
+
+        Up to ``snapshot.parallelism`` chunks are read at once, and writing a chunk to Iceberg
+        (Parquet encoding, commit) overlaps reading the next ones, so the source connection never
+        waits for the writer. At most twice ``parallelism`` chunks are held in memory.
+        """
+        parallelism = self.config.snapshot.parallelism
+        mode = EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
+        held = threading.BoundedSemaphore(2 * parallelism)
+        # Readers are shut down first (inner), so every chunk read is handed to a writer still running.
+        with (
+            ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-write") as writers,
+            ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-read") as readers,
+        ):
+
+            def write_and_release(table: SourceTable, chunk: Chunk, data: ChunkData) -> int:
+                try:
+                    return self.write_chunk(table, chunk, data)
+                finally:
+                    held.release()
+
+            def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[int]:
+                held.acquire()
+                try:
+                    data = self.read_chunk(table, chunk, snapshot_name)
+                except BaseException:
+                    held.release()
+                    raise
+                return writers.submit(write_and_release, table, chunk, data)
+
+            reads = {readers.submit(read_then_hand_over, table, chunk): (table, chunk) for table, chunk in work}
+            writes: dict[Future[int], tuple[SourceTable, Chunk]] = {}
+            pending: set[Future[Any]] = set(reads)
             try:
-                for future in as_completed(futures):
-                    table, chunk = futures[future]
-                    rows = future.result()
-                    result = results[table.key]
-                    result.rows += rows
-                    result.chunks_run += 1
-                    result.read_modes.add(mode)
-                    if on_chunk:
-                        on_chunk(chunk, rows)
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        if future in reads:
+                            write = future.result()
+                            writes[write] = reads[future]
+                            pending.add(write)
+                            continue
+                        table, chunk = writes[future]
+                        rows = future.result()
+                        result = results[table.key]
+                        result.rows += rows
+                        result.chunks_run += 1
+                        result.read_modes.add(mode)
+                        if on_chunk:
+                            on_chunk(chunk, rows)
             except BaseException:
-                for future in futures:
+                # Reads not started are dropped; chunks already read are still written (they are
+                # valid progress, and each write releases its memory slot for the readers left).
+                for future in reads:
                     future.cancel()
                 raise
 

@@ -1,0 +1,145 @@
+"""Reading one CTID chunk straight into Arrow, under the exported snapshot.
+
+The rows never become Python objects: the ADBC PostgreSQL driver (libpq, C) runs the chunk's
+``SELECT`` as a binary ``COPY`` and decodes it into Arrow buffers, so a chunk costs about what the
+server spends producing it. Each column is selected in a form whose Arrow decoding is exact and
+then cast to the Iceberg table's Arrow type:
+
+- native types (integers, floats, booleans, strings, bytea, dates, timestamps, uuid, and
+  one-dimensional arrays of them) travel in binary and keep their exact values (a ``real`` stays
+  single precision, also when Iceberg widened the column to double);
+- ``numeric(p,s)`` and every type Iceberg stores as a string travel as the text their type's output
+  function writes (element by element for arrays), the same text the WAL path parses;
+- ``oid`` is read as ``bigint`` (the driver would read it as a signed 32-bit number).
+
+The driver flattens multi-dimensional arrays, which Iceberg's ``list`` cannot hold; the number of
+dimensions rides along and such a value is refused, as the WAL path refuses it.
+"""
+
+from __future__ import annotations
+
+import adbc_driver_manager
+import adbc_driver_postgresql.dbapi as adbc
+import pyarrow as pa
+import pyarrow.compute as pc
+from psycopg import sql
+
+from ..config import PostgresConnection
+from ..errors import Pg2IcebergError, UnsupportedTypeError
+from ..source.catalog import PgType, SourceColumn, SourceTable
+from ..source.connection import SESSION_OPTIONS
+
+# Kinds the driver decodes natively; everything else is selected as text.
+_BINARY_KINDS = {
+    "int2",
+    "int4",
+    "int8",
+    "float4",
+    "float8",
+    "bool",
+    "text",
+    "varchar",
+    "bpchar",
+    "bytea",
+    "date",
+    "timestamp",
+    "timestamptz",
+    "uuid",
+}
+_NDIMS_PREFIX = "__pg2iceberg_ndims_"
+
+
+def _output_text(value: sql.Composable) -> sql.Composable:
+    """The value's text form from its type's output function, NULL kept. ``::text`` is not that for
+    every type: an explicit cast may differ (``inet::text`` adds ``/32``, ``bool::text`` says ``true``)."""
+    return sql.SQL("CASE WHEN {0} IS NULL THEN NULL ELSE pg_catalog.format('%s', {0}) END").format(value)
+
+
+def _select_expression(name: sql.Identifier, pg_type: PgType) -> sql.Composable:
+    """How a column is selected so that the driver decodes it exactly."""
+    if pg_type.kind == "array":
+        assert pg_type.element is not None
+        element = pg_type.element
+        if element.kind in _BINARY_KINDS:
+            return sql.SQL("{}::{}[]").format(name, sql.Identifier("pg_catalog", element.kind))
+        if element.kind == "oid":
+            return sql.SQL("{}::pg_catalog.int8[]").format(name)
+        # Element by element, in order, NULL elements kept.
+        return sql.SQL(
+            "CASE WHEN {0} IS NULL THEN NULL ELSE ARRAY(SELECT {1} FROM pg_catalog.unnest({0}) "
+            "WITH ORDINALITY AS e(v, n) ORDER BY e.n) END"
+        ).format(name, _output_text(sql.SQL("e.v")))
+    if pg_type.kind in _BINARY_KINDS:
+        # Casting to the base type itself is a relabel: it strips domains and keeps char(n) padding.
+        return sql.SQL("{}::{}").format(name, sql.Identifier("pg_catalog", pg_type.kind))
+    if pg_type.kind == "oid":
+        return sql.SQL("{}::pg_catalog.int8").format(name)
+    return _output_text(name)
+
+
+def select_expressions(columns: tuple[SourceColumn, ...]) -> sql.Composed:
+    """The chunk query's select list: each column in a form decoded exactly, plus array dimensions."""
+    expressions: list[sql.Composable] = []
+    for position, column in enumerate(columns):
+        name = sql.Identifier(column.name)
+        expressions.append(sql.SQL("{} AS {}").format(_select_expression(name, column.type), name))
+        if column.type.kind == "array":
+            expressions.append(
+                sql.SQL("pg_catalog.array_ndims({}) AS {}").format(name, sql.Identifier(f"{_NDIMS_PREFIX}{position}"))
+            )
+    return sql.SQL(", ").join(expressions)
+
+
+def _conform(values: pa.ChunkedArray, target: pa.DataType, column: str) -> pa.ChunkedArray:
+    """Cast a decoded column to the Iceberg table's Arrow type, naming the column in any error."""
+    if isinstance(values.type, pa.BaseExtensionType):
+        values = pa.chunked_array([chunk.storage for chunk in values.chunks], type=values.type.storage_type)
+    try:
+        if isinstance(target, pa.BaseExtensionType):
+            storage = values.cast(target.storage_type)
+            return pa.chunked_array(
+                [pa.ExtensionArray.from_storage(target, chunk) for chunk in storage.chunks], type=target
+            )
+        return values.cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        raise UnsupportedTypeError(f"column {column}: value cannot be stored as {target}: {exc}") from None
+
+
+def conform(decoded: pa.Table, source: SourceTable, schema: pa.Schema) -> pa.Table:
+    """The decoded chunk as a table of ``schema`` (columns the source no longer has are null)."""
+    for position, column in enumerate(source.columns):
+        if column.type.kind != "array":
+            continue
+        dimensions = pc.max(decoded.column(f"{_NDIMS_PREFIX}{position}")).as_py()
+        if dimensions is not None and dimensions > 1:
+            raise UnsupportedTypeError(
+                f"column {column.name}: a {dimensions}-dimensional array value cannot be stored as an Iceberg list"
+            )
+    names = {column.name for column in source.columns}
+    arrays = [
+        _conform(decoded.column(field.name), field.type, field.name)
+        if field.name in names
+        else pa.nulls(decoded.num_rows, field.type)
+        for field in schema
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def read_arrow(target: PostgresConnection, query: sql.Composable, snapshot_name: str | None) -> pa.Table:
+    """Run ``query`` in a READ ONLY REPEATABLE READ transaction (importing ``snapshot_name`` when
+    given) and return its rows as Arrow, decoded by the ADBC driver."""
+    conninfo = target.conninfo(options=SESSION_OPTIONS)
+    try:
+        with adbc.connect(conninfo) as conn, conn.cursor() as cursor:
+            # The connection starts a transaction at once: these are its first statements.
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            if snapshot_name:
+                cursor.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)).as_string())
+            cursor.execute(query.as_string())
+            rows = cursor.fetch_arrow_table()
+            conn.rollback()
+            return rows
+    except adbc_driver_manager.Error as exc:
+        # libpq's message names the server, never the password; keep only its first line.
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise Pg2IcebergError(f"reading a snapshot chunk from {target.describe()} failed: {reason}") from None
