@@ -1,69 +1,72 @@
-"""The open transaction's changes, in memory up to a bound and spilled to a temporary file past it."""
+"""The open transaction's row messages past ``flush.txn_memory_bytes``: on disk until COMMIT.
+
+A transaction is only known to be wanted at its COMMIT, and it may be larger than memory, so past the
+bound its messages (whole WAL data messages, as received) go to a temporary file, and COMMIT reads
+them back in bounded chunks.
+"""
 
 from __future__ import annotations
 
-import pickle
+import contextlib
+import struct
 import tempfile
 from collections.abc import Iterator
-from typing import IO
 
+from ..errors import StagingError
 from ..faults import crash_point
-from ..staging.codec import Change, StagedRelation
 
-Entry = tuple[StagedRelation, Change]
-
-
-def estimate_size(change: Change) -> int:
-    """Approximate in-memory size of a change, for the memory and flush bounds."""
-    return 96 + sum(len(key) + (len(value) if value else 0) for key, value in change.data.items())
+# A spilled entry: the message's length, then the message.
+_ENTRY = struct.Struct("!I")
 
 
-class TransactionBuffer:
-    """Holds one transaction's changes until COMMIT; never more than ``memory_bytes`` in memory."""
+class SpillFile:
+    """Row messages of one transaction in a temporary file (removed by :meth:`close`)."""
 
-    def __init__(self, memory_bytes: int, spill_dir: str | None = None) -> None:
-        self._memory_bytes = memory_bytes
-        self._spill_dir = spill_dir
-        self._entries: list[Entry] = []
-        self._size = 0
-        self._spill: IO[bytes] | None = None
+    def __init__(self, spill_dir: str | None = None) -> None:
+        self._dir = spill_dir or tempfile.gettempdir()
+        try:
+            # Closed by close(); it outlives this call by design.
+            self._file = tempfile.TemporaryFile(dir=spill_dir, prefix="pg2iceberg-txn-")  # noqa: SIM115
+        except OSError as exc:
+            raise self._failed(exc) from exc
         self.count = 0
 
-    @property
-    def spilled(self) -> bool:
-        return self._spill is not None
+    def _failed(self, exc: OSError) -> StagingError:
+        return StagingError(
+            f"cannot spill a large transaction to {self._dir} ({exc.strerror or exc}); free space there or point "
+            "flush.spill_dir at a larger disk"
+        )
 
-    def add(self, relation: StagedRelation, change: Change) -> None:
+    def add(self, message: bytes | memoryview) -> None:
+        try:
+            self._file.write(_ENTRY.pack(len(message)))
+            self._file.write(message)
+        except OSError as exc:
+            raise self._failed(exc) from exc
         self.count += 1
-        if self._spill is not None:
-            pickle.dump((relation, change), self._spill, protocol=pickle.HIGHEST_PROTOCOL)
-            crash_point("flusher.during_spill")
-            return
-        self._entries.append((relation, change))
-        self._size += estimate_size(change)
-        if self._size > self._memory_bytes:
-            # Closed by clear(); it outlives this call by design.
-            self._spill = tempfile.TemporaryFile(dir=self._spill_dir, prefix="pg2iceberg-txn-")  # noqa: SIM115
-            for entry in self._entries:
-                pickle.dump(entry, self._spill, protocol=pickle.HIGHEST_PROTOCOL)
-            self._entries = []
+        crash_point("flusher.during_spill")
 
-    def __iter__(self) -> Iterator[Entry]:
-        if self._spill is None:
-            yield from self._entries
-            return
-        self._spill.flush()
-        self._spill.seek(0)
-        while True:
-            try:
-                yield pickle.load(self._spill)
-            except EOFError:
-                return
+    def chunks(self, max_rows: int, max_bytes: int) -> Iterator[list[bytes | memoryview]]:
+        """The messages in order, at most ``max_rows`` and about ``max_bytes`` at a time."""
+        try:
+            self._file.flush()
+        except OSError as exc:
+            raise self._failed(exc) from exc
+        self._file.seek(0)
+        messages: list[bytes | memoryview] = []
+        size = 0
+        while header := self._file.read(_ENTRY.size):
+            (length,) = _ENTRY.unpack(header)
+            messages.append(self._file.read(length))
+            size += length
+            if len(messages) >= max_rows or size >= max_bytes:
+                yield messages
+                messages, size = [], 0
+        if messages:
+            yield messages
 
-    def clear(self) -> None:
-        if self._spill is not None:
-            self._spill.close()
-        self._spill = None
-        self._entries = []
-        self._size = 0
-        self.count = 0
+    def close(self) -> None:
+        """Remove the file. Never raises: a full disk already failed the write that matters, and a
+        second ENOSPC from the buffered flush here would hide that first error."""
+        with contextlib.suppress(OSError):
+            self._file.close()

@@ -131,6 +131,21 @@ class DecodeError(ValueError):
     """The bytes are not a pgoutput message this decoder understands."""
 
 
+_U8 = struct.Struct("!B")
+_I16 = struct.Struct("!h")
+_I32 = struct.Struct("!i")
+_U32 = struct.Struct("!I")
+_I64 = struct.Struct("!q")
+_U64 = struct.Struct("!Q")
+# Fixed parts of the two messages every transaction carries, read without building message objects
+# on the flusher's hot path: Begin (final LSN, commit time, xid) and Commit (flags, commit LSN, end LSN, time).
+BEGIN_FIELDS: Final = struct.Struct("!QqI")
+COMMIT_FIELDS: Final = struct.Struct("!BQQq")
+RELATION_OID: Final = _U32  # what Insert, Update and Delete carry right after their tag
+# Microseconds from 1970-01-01 to 2000-01-01 (PostgreSQL's epoch), to store commit times as Unix time.
+UNIX_TO_PG_EPOCH_MICROS: Final = 946_684_800_000_000
+
+
 class _Reader:
     __slots__ = ("data", "pos")
 
@@ -138,31 +153,31 @@ class _Reader:
         self.data = data
         self.pos = 0
 
-    def _take(self, fmt: str) -> int:
+    def _take(self, fmt: struct.Struct) -> int:
         try:
-            (value,) = struct.unpack_from(fmt, self.data, self.pos)
+            (value,) = fmt.unpack_from(self.data, self.pos)
         except struct.error:
             raise DecodeError("message truncated") from None
-        self.pos += struct.calcsize(fmt)
+        self.pos += fmt.size
         return value
 
     def u8(self) -> int:
-        return self._take("!B")
+        return self._take(_U8)
 
     def i16(self) -> int:
-        return self._take("!h")
+        return self._take(_I16)
 
     def i32(self) -> int:
-        return self._take("!i")
+        return self._take(_I32)
 
     def u32(self) -> int:
-        return self._take("!I")
+        return self._take(_U32)
 
     def i64(self) -> int:
-        return self._take("!q")
+        return self._take(_I64)
 
     def u64(self) -> int:
-        return self._take("!Q")
+        return self._take(_U64)
 
     def byte_char(self) -> str:
         return chr(self.u8())
@@ -181,18 +196,53 @@ class _Reader:
         return bytes(value)
 
     def tuple_data(self) -> Tuple:
-        values: list[TupleValue] = []
-        for _ in range(self.i16()):
-            kind = self.byte_char()
-            if kind == "n":
-                values.append(None)
-            elif kind == "u":
-                values.append(UNCHANGED)
-            elif kind == "t":
-                values.append(self.raw(self.i32()).decode("utf-8"))
-            else:
-                raise DecodeError(f"unsupported tuple value kind {kind!r} (binary mode is not used)")
+        # The hot loop of row-by-row decoding: locals instead of attribute lookups and method calls.
+        data, pos = self.data, self.pos
+        try:
+            (count,) = _I16.unpack_from(data, pos)
+            pos += 2
+            values: list[TupleValue] = []
+            append = values.append
+            for _ in range(count):
+                kind = data[pos]
+                if kind == 116:  # 't': Int32 length, then the text
+                    (length,) = _I32.unpack_from(data, pos + 1)
+                    end = pos + 5 + length
+                    if end > len(data):
+                        raise DecodeError("message truncated")
+                    append(data[pos + 5 : end].decode("utf-8"))
+                    pos = end
+                elif kind == 110:  # 'n'
+                    append(None)
+                    pos += 1
+                elif kind == 117:  # 'u'
+                    append(UNCHANGED)
+                    pos += 1
+                else:
+                    raise DecodeError(f"unsupported tuple value kind {chr(kind)!r} (binary mode is not used)")
+        except (struct.error, IndexError):
+            raise DecodeError("message truncated") from None
+        self.pos = pos
         return tuple(values)
+
+
+def begin_fields(data: bytes | memoryview, offset: int = 0) -> tuple[int, int, int]:
+    """(final LSN, commit time in microseconds since the Unix epoch, xid) of the Begin message at
+    ``offset`` of ``data``, without building a :class:`Begin` (the flusher reads one per transaction)."""
+    try:
+        final_lsn, micros, xid = BEGIN_FIELDS.unpack_from(data, offset + 1)
+    except struct.error:
+        raise DecodeError("message truncated") from None
+    return final_lsn, micros + UNIX_TO_PG_EPOCH_MICROS, xid
+
+
+def commit_end_lsn(data: bytes | memoryview, offset: int = 0) -> int:
+    """The end LSN of the Commit message at ``offset`` of ``data``: what a consumer acknowledges once the
+    transaction is safe."""
+    try:
+        return COMMIT_FIELDS.unpack_from(data, offset + 1)[2]
+    except struct.error:
+        raise DecodeError("message truncated") from None
 
 
 def decode(data: bytes) -> Message:

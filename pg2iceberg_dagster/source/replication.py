@@ -11,6 +11,7 @@ import struct
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import NamedTuple, NoReturn
 
 import psycopg
 from psycopg import sql
@@ -47,13 +48,26 @@ def create_slot_with_snapshot(conn: psycopg.Connection, slot: str) -> CreatedSlo
     return CreatedSlot(name=row[0], consistent_point=parse_lsn(row[1]), snapshot_name=row[2])
 
 
-@dataclass(frozen=True)
-class XLogData:
+class XLogData(NamedTuple):
     """One WAL data message: the LSN it starts at, the server's WAL end, and the pgoutput payload."""
 
+    # A NamedTuple, not a dataclass: one is built per message, and this is the cheapest to build.
     data_start: int
     wal_end: int
     payload: bytes
+
+
+_XLOG_HEADER = struct.Struct("!QQ")  # after 'w': WAL start, WAL end (then the send time, 8 bytes, unused)
+XLOG_HEADER = 25  # bytes before the pgoutput payload of a WAL data message
+# How long read_batch lets messages gather once the first arrives after a wait (far below any bound
+# that matters to a consumer: flush intervals are seconds).
+_GATHER_SECONDS = 0.001
+_KEEPALIVE = struct.Struct("!QqB")  # after 'k': WAL end, send time, reply requested
+
+
+def xlog_data_start(message: bytes | memoryview) -> int:
+    """The WAL position a whole WAL data message (as :meth:`ReplicationStream.read_batch` returns) starts at."""
+    return _XLOG_HEADER.unpack_from(message, 1)[0]
 
 
 def _now_micros() -> int:
@@ -129,21 +143,83 @@ class ReplicationStream:
                 if readable:
                     pgconn.consume_input()
                 continue
-            if nbytes == -1:
-                raise Pg2IcebergError("the server ended the replication stream")
             if nbytes < 0:
-                message = pgconn.error_message.decode(errors="replace").strip()
-                raise Pg2IcebergError(f"replication stream failed: {message}")
-            message = bytes(data)
-            kind = message[:1]
-            if kind == b"w":
-                data_start, wal_end, _ = struct.unpack_from("!QQq", message, 1)
-                return XLogData(data_start=data_start, wal_end=wal_end, payload=message[25:])
-            if kind == b"k":
-                wal_end, _, reply = struct.unpack_from("!QqB", message, 1)
-                self.server_wal_end = max(self.server_wal_end, wal_end)
-                if reply:
-                    self._send_status(reply=False)
+                self._stream_ended(nbytes)
+            # ``data`` is a view owning the buffer libpq allocated for this message (psycopg frees it
+            # with the view); the payload is copied out as bytes, once.
+            kind = data[0]
+            if kind == 119:  # 'w'
+                data_start, wal_end = _XLOG_HEADER.unpack_from(data, 1)
+                return XLogData(data_start, wal_end, bytes(data[XLOG_HEADER:]))
+            if kind == 107:  # 'k'
+                self._keepalive(data)
+
+    def read_batch(self, timeout: float, limit: int = 4096, limit_bytes: int = 4 << 20) -> list[memoryview]:
+        """The WAL data messages that arrived, whole ('w', WAL start, WAL end, send time, then the
+        pgoutput payload at offset :data:`XLOG_HEADER`): at most ``limit`` or about ``limit_bytes``.
+
+        Waits up to ``timeout`` seconds for the first one, not for more: what is already received is
+        returned at once. Empty when nothing arrived. One call serves thousands of messages, and each
+        is returned as libpq handed it over, uncopied: psycopg's view owns the buffer libpq allocated
+        for that message (freed with the view; the pure-Python psycopg copies it into bytes), so it
+        stays valid after later calls.
+        """
+        assert self._conn is not None, "stream is not open"
+        pgconn = self._conn.pgconn
+        get_copy_data = pgconn.get_copy_data
+        out: list[memoryview] = []
+        append = out.append
+        size = 0
+        refilled = False
+        deadline = None
+        self._maybe_send_status()
+        while len(out) < limit and size < limit_bytes:
+            nbytes, data = get_copy_data(1)
+            if nbytes > 0:
+                refilled = False
+                kind = data[0]
+                if kind == 119:  # 'w'
+                    append(data)
+                    size += nbytes
+                elif kind == 107:  # 'k'
+                    self._keepalive(data)
+                continue
+            if nbytes == 0:
+                if not refilled:
+                    # libpq parses only what it has read: read what the socket holds now, without waiting.
+                    pgconn.consume_input()
+                    refilled = True
+                    continue
+                if out:
+                    break
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout
+                if now >= deadline:
+                    break
+                readable, _, _ = select.select([pgconn.socket], [], [], min(deadline - now, 1.0))
+                if readable:
+                    # Ahead of the server: let a few messages gather, then take them in one read
+                    # instead of a wakeup and a read per message.
+                    time.sleep(_GATHER_SECONDS)
+                    pgconn.consume_input()
+                self._maybe_send_status()
+                continue
+            self._stream_ended(nbytes)
+        return out
+
+    def _keepalive(self, data: memoryview) -> None:
+        wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+        self.server_wal_end = max(self.server_wal_end, wal_end)
+        if reply:
+            self._send_status(reply=False)
+
+    def _stream_ended(self, nbytes: int) -> NoReturn:
+        assert self._conn is not None
+        if nbytes == -1:
+            raise Pg2IcebergError("the server ended the replication stream")
+        message = self._conn.pgconn.error_message.decode(errors="replace").strip()
+        raise Pg2IcebergError(f"replication stream failed: {message}")
 
     def request_keepalive(self) -> None:
         """Ask the server to answer now with a keepalive carrying its current position."""

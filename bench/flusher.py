@@ -1,0 +1,292 @@
+"""Flusher throughput against pg_recvlogical draining the same WAL from a slot created at the same point.
+
+    cd /work/main && .venv/bin/python -m bench.flusher [--scale 10] [--transactions 40000]
+
+On a throwaway cluster: ``pgbench -i``, the pipeline's snapshot of the four pgbench tables (it creates
+the publication and our pgoutput slot; ``pgbench_history`` gets a ``bigserial`` key first, since the
+pipeline mirrors only tables with a primary key), two more pgoutput slots at that point, then a fixed
+TPC-B load (``pgbench -n -c 2 -t N``) with nobody consuming, so the WAL accumulates. Then:
+
+1. the count: ``pg_logical_slot_peek_binary_changes`` on one extra slot up to the end of the load gives
+   the number of row changes (Insert, Update and Delete messages); both rates use that number;
+2. the limit: ``pg_recvlogical --start`` (pgoutput, same publication) drains another extra slot to
+   ``--endpos`` into /dev/null: the walsender's decoding plus the wire, with nothing done client side;
+   it runs once before ours and once after, on two slots, and their mean time is the limit (the
+   machine's other load drifts; bracketing the flusher run compares like with like);
+3. ours: ``Pipeline.stream(until_caught_up=True)`` drains our slot: decode, buffer, Parquet, file://
+   staging, registration in the coordination tables, acknowledgement.
+
+Besides the rates it samples the CPU seconds of the walsender (from /proc) and of the client, and the
+machine's busy share, so a shortfall can be explained (for example two cores shared by the server,
+the client and whatever else runs).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.source.lsn import format_lsn, parse_lsn
+
+from .common import (
+    SOURCE_DB,
+    Report,
+    argument_parser,
+    bench_cluster,
+    bench_config,
+    pg_tool,
+    pgbench,
+    timed,
+    work_dir,
+)
+
+TABLES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_tellers", "public.pgbench_history"]
+LIMIT_SLOTS = ("bench_recvlogical_before", "bench_recvlogical_after")
+COUNT_SLOT = "bench_count"
+CLIENTS = 2
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (fields 14 and 15 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of every core since boot, from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values) - idle) / CLOCK_TICKS, sum(values) / CLOCK_TICKS
+
+
+class WalsenderCpu:
+    """Samples the CPU time of the walsender serving ``slot`` while it is active.
+
+    The walsender exits with its client, so the last sample (every 20 ms) is the figure; it can miss
+    at most one sampling interval at the very end.
+    """
+
+    def __init__(self, conninfo: str, slot: str) -> None:
+        self._conninfo = conninfo
+        self._slot = slot
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.seconds = 0.0
+
+    def __enter__(self) -> WalsenderCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        with psycopg.connect(self._conninfo, autocommit=True) as conn:
+            pid = None
+            while pid is None and not self._stop.is_set():
+                row = conn.execute(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (self._slot,)
+                ).fetchone()
+                pid = row[0] if row else None
+                if pid is None:
+                    time.sleep(0.005)
+        while pid is not None and not self._stop.is_set():
+            try:
+                self.seconds = process_cpu_seconds(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(0.02)
+
+
+class Phase:
+    """Wall time, client CPU (this process or its children), walsender CPU and machine busy share of a run."""
+
+    def __init__(self, conninfo: str, slot: str) -> None:
+        self.walsender = WalsenderCpu(conninfo, slot)
+
+    def __enter__(self) -> Phase:
+        self._busy = machine_busy_seconds()
+        self._cpu = _client_cpu()
+        self._started = time.perf_counter()
+        self.walsender.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.seconds = time.perf_counter() - self._started
+        self.walsender.__exit__()
+        cpu = _client_cpu()
+        self.client_cpu = cpu[0] - self._cpu[0]
+        self.child_cpu = cpu[1] - self._cpu[1]
+        busy, total = machine_busy_seconds()
+        self.busy_share = (busy - self._busy[0]) / max(total - self._busy[1], 1e-9)
+        # CPU the rest of the machine (other users, other PostgreSQL backends) took meanwhile.
+        self.others_cpu = max(0.0, busy - self._busy[0] - self.client_cpu - self.child_cpu - self.walsender.seconds)
+
+
+def _client_cpu() -> tuple[float, float]:
+    times = os.times()
+    return times.user + times.system, times.children_user + times.children_system
+
+
+def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, int, dict[str, Any]]:
+    """pgbench tables, our snapshot + slot, two more slots, the TPC-B load; returns (config, end LSN, facts)."""
+    facts: dict[str, Any] = {}
+    seconds, _ = timed(lambda: pgbench(pg, "-i", "-q", "-s", str(scale)))
+    facts["init_seconds"] = round(seconds, 1)
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        # The pipeline mirrors keyed tables only; pgbench_history has no key of its own.
+        conn.execute("ALTER TABLE pgbench_history ADD COLUMN hid bigserial PRIMARY KEY")
+    config = bench_config(pg, root, TABLES)
+    with Pipeline(config) as pipeline:
+        seconds, _ = timed(pipeline.snapshot)
+    facts["snapshot_seconds"] = round(seconds, 1)
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        for slot in (*LIMIT_SLOTS, COUNT_SLOT):
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    per_client = max(1, transactions // CLIENTS)
+    seconds, _ = timed(lambda: pgbench(pg, "-n", "-c", str(CLIENTS), "-j", str(CLIENTS), "-t", str(per_client)))
+    facts["load_transactions"] = per_client * CLIENTS
+    facts["load_seconds"] = round(seconds, 1)
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+        assert row is not None
+        end_lsn = parse_lsn(row[0])
+        # synchronous_commit is off on bench clusters: decoding reads only WAL flushed to disk, so wait
+        # for the WAL writer to flush the end of the load before anyone counts or drains it.
+        while conn.execute("SELECT pg_current_wal_flush_lsn() < %s::pg_lsn", (format_lsn(end_lsn),)).fetchone()[0]:
+            time.sleep(0.05)
+        slot_row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (config.replication.slot,),
+        ).fetchone()
+    assert slot_row is not None
+    facts["wal_bytes"] = end_lsn - parse_lsn(slot_row[0])
+    return config, end_lsn, facts
+
+
+def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int]:
+    """(row changes, pgoutput bytes) the publication yields up to ``end_lsn``, decoded by the server."""
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE get_byte(data, 0) IN (73, 85, 68)), coalesce(sum(octet_length(data)), 0) "
+            "FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
+            "'proto_version', '1', 'publication_names', %s)",
+            (COUNT_SLOT, format_lsn(end_lsn), publication),
+        ).fetchone()
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (COUNT_SLOT,))
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def run_pg_recvlogical(pg: Any, slot: str, publication: str, end_lsn: int) -> Phase:
+    """Drain ``slot`` to ``end_lsn`` into /dev/null with pg_recvlogical."""
+    command = [
+        pg_tool("pg_recvlogical"),
+        *("-h", "127.0.0.1", "-p", str(pg.port), "-U", pg.superuser, "-d", SOURCE_DB),
+        *("--slot", slot, "--start", "--no-loop", "-F", "0", "-f", "/dev/null"),
+        *("-o", "proto_version=1", "-o", f"publication_names={publication}", "--endpos", format_lsn(end_lsn)),
+    ]
+    with Phase(pg.conninfo(SOURCE_DB), slot) as phase:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"pg_recvlogical failed: {result.stderr.strip()}")
+    return phase
+
+
+def main() -> None:
+    parser = argument_parser(__doc__)
+    parser.add_argument("--scale", type=int, default=10, help="pgbench scale factor (100,000 accounts each)")
+    parser.add_argument("--transactions", type=int, default=40_000, help="TPC-B transactions of the load in all")
+    args = parser.parse_args()
+    report = Report(
+        "flusher",
+        {"scale": args.scale, "transactions": args.transactions, "clients": CLIENTS},
+        [
+            *("run", "changes", "seconds", "changes_per_s", "files", "bytes", "mb_per_s"),
+            *("client_cpu_s", "walsender_cpu_s", "others_cpu_s", "machine_busy"),
+        ],
+    )
+    with work_dir(args.dir) as root, bench_cluster(root, {"max_wal_size": "8GB"}) as pg:
+        config, end_lsn, facts = prepare(pg, root, args.scale, args.transactions)
+        publication = config.replication.publication
+        changes, wire_bytes = count_changes(pg, publication, end_lsn)
+        report.parameters.update(facts, changes=changes, pgoutput_bytes=wire_bytes, end_lsn=format_lsn(end_lsn))
+
+        limits = [run_pg_recvlogical(pg, LIMIT_SLOTS[0], publication, end_lsn)]
+        with Pipeline(config) as pipeline:
+            pipeline.validate()  # startup checks are not part of the throughput
+            with Phase(pg.conninfo(SOURCE_DB), config.replication.slot) as ours:
+                stats = pipeline.stream(until_caught_up=True)
+        limits.append(run_pg_recvlogical(pg, LIMIT_SLOTS[1], publication, end_lsn))
+        if stats.changes != changes:
+            raise RuntimeError(f"the flusher staged {stats.changes} changes, the server decoded {changes}")
+        for name, limit in zip(("pg_recvlogical (before)", "pg_recvlogical (after)"), limits, strict=True):
+            report.add(
+                name, changes, round(limit.seconds, 2), round(changes / limit.seconds), "-", wire_bytes,
+                round(wire_bytes / limit.seconds / 1e6, 1), round(limit.child_cpu, 2),
+                round(limit.walsender.seconds, 2), round(limit.others_cpu, 2), f"{limit.busy_share:.0%}",
+            )  # fmt: skip
+        report.add(
+            "flusher", changes, round(ours.seconds, 2), round(changes / ours.seconds), stats.files, stats.bytes,
+            round(stats.bytes / ours.seconds / 1e6, 1), round(ours.client_cpu, 2), round(ours.walsender.seconds, 2),
+            round(ours.others_cpu, 2), f"{ours.busy_share:.0%}",
+        )  # fmt: skip
+    limit_seconds = sum(limit.seconds for limit in limits) / len(limits)
+    # Same change count: the ratio of rates is the inverse ratio of the times.
+    ratio = limit_seconds / ours.seconds
+    report.ratio("flusher_vs_pg_recvlogical", ratio, 0.8)
+    report.parameters["cpu_us_per_change"] = breakdown = cpu_breakdown(limits, ours, stats.stage_seconds, changes)
+    report.parameters["why"] = explain(breakdown, ours, ratio)
+    report.emit(args.json)
+    print(f"why: {report.parameters['why']}")
+
+
+def cpu_breakdown(limits: list[Phase], ours: Phase, stage_seconds: float, changes: int) -> dict[str, float]:
+    """CPU microseconds per change of each process in each run (the limit's: the mean of its runs)."""
+
+    def per_change(seconds: float) -> float:
+        return round(seconds / changes * 1e6, 2)
+
+    return {
+        "walsender_for_pg_recvlogical": per_change(sum(p.walsender.seconds for p in limits) / len(limits)),
+        "pg_recvlogical": per_change(sum(p.child_cpu for p in limits) / len(limits)),
+        "walsender_for_flusher": per_change(ours.walsender.seconds),
+        "flusher": per_change(ours.client_cpu),
+        "flusher_staging": per_change(stage_seconds),
+        "flusher_receiving_and_rest": per_change(ours.client_cpu - stage_seconds),
+    }
+
+
+def explain(cpu: dict[str, float], ours: Phase, ratio: float) -> str:
+    """Which process bounds the flusher run, from the CPU each one spent per change."""
+    bound = "the flusher" if cpu["flusher"] > cpu["walsender_for_flusher"] else "the walsender"
+    text = (
+        f"per change, the walsender spent {cpu['walsender_for_pg_recvlogical']} us of CPU decoding for "
+        f"pg_recvlogical and {cpu['walsender_for_flusher']} us for the flusher; the flusher process spent "
+        f"{cpu['flusher']} us ({cpu['flusher_staging']} us decoding, encoding and uploading staged files, "
+        f"{cpu['flusher_receiving_and_rest']} us receiving through libpq, buffering and registering). Server "
+        f"and client run in parallel on {os.cpu_count()} cores shared with everything else on the machine "
+        f"(busy {ours.busy_share:.0%} during the flusher run, {ours.others_cpu:.2f} s of CPU taken by other "
+        f"processes), so {bound} bounds the run"
+    )
+    if ratio < 0.8:
+        text += (
+            "; below target: the flusher's CPU per change exceeds the walsender's, or other load took "
+            "the cores (compare machine_busy)"
+        )
+    return text
+
+
+if __name__ == "__main__":
+    main()

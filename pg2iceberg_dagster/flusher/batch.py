@@ -1,0 +1,382 @@
+"""Buffered pgoutput row messages -> the staging columns of each table, decoded in bulk with Arrow.
+
+The flusher keeps each row message (Insert, Update, Delete) as the WAL data message the server sent,
+and decodes a staged file's worth at once: the tuples of all messages are walked column by column with Arrow
+compute kernels (a handful of kernel calls per column, none per value), each column's text values are
+sliced out of the concatenated messages by offsets, never becoming Python strings, and the ``_data``
+JSON objects are assembled column-wise. Decoding per value in Python cost more than everything else
+the flusher does together.
+
+Rows the bulk path does not cover go through the row-by-row decoder (:mod:`..source.pgoutput`) and
+produce the same staged rows: an Update carrying an old tuple (its key may change, which stages a
+DELETE of the old key first, and REPLICA IDENTITY FULL fills unchanged TOAST values from the old row),
+a Delete whose key tuple holds an unchanged value, and anything malformed (which raises DecodeError).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..source import pgoutput
+from ..source.catalog import SourceTable
+from ..source.replication import XLOG_HEADER
+from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, StagedRelation, encode_columns, join_names
+
+_XLOG_START = struct.Struct("!Q")
+# A TRUNCATE marker's payload: the tag and a relation OID (see truncate_marker).
+_TRUNCATE_PAYLOAD = 5
+_INSERT, _UPDATE, _DELETE, _TRUNCATE = ord("I"), ord("U"), ord("D"), ord("T")
+_NEW, _KEY, _OLD = ord("N"), ord("K"), ord("O")
+_NULL, _TOAST, _TEXT = ord("n"), ord("u"), ord("t")
+# Characters JSON requires escaped in a string; rows holding one are escaped by json.dumps.
+_NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
+# Types whose text form never holds one of them (digits, signs, dates, hex...): not searched.
+PLAIN_TEXT_KINDS = frozenset(
+    {
+        *("int2", "int4", "int8", "oid", "float4", "float8", "numeric", "money", "bool"),
+        *("date", "time", "timetz", "timestamp", "timestamptz", "interval"),
+        *("uuid", "inet", "cidr", "macaddr", "macaddr8", "bit", "varbit", "pg_lsn"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class RelationInfo:
+    """A configured table as the stream describes it now: its staged relation and tuple positions."""
+
+    table: SourceTable
+    relation: StagedRelation
+    positions: dict[str, int]
+    # Per column, precomputed once: the JSON key ('"name"') and the CSV form for ``_unchanged_cols``.
+    json_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    csv_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    plain_columns: frozenset[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        columns = self.relation.columns
+        object.__setattr__(self, "json_keys", tuple(json.dumps(column.name) for column in columns))
+        object.__setattr__(self, "csv_names", tuple(join_names([column.name]) for column in columns))
+        plain = frozenset(i for i, column in enumerate(columns) if column.type.kind in PLAIN_TEXT_KINDS)
+        object.__setattr__(self, "plain_columns", plain)
+
+
+@dataclass(frozen=True)
+class EncodedSegment:
+    """A staged file's bytes and what the registration needs to know about it."""
+
+    data: bytes
+    rows: int
+    first_lsn: int
+    last_lsn: int
+
+
+def encode_segment(
+    info: RelationInfo, lsns: Sequence[int], payloads: Sequence[bytes], ts: Sequence[int], xids: Sequence[int]
+) -> EncodedSegment:
+    """pgoutput row messages of one table in log order (with their LSNs, commit times in Unix
+    microseconds and xids) -> the staged Parquet file. A key change stages two rows for one message."""
+    batch = MessageBatch([xlog_data(lsn, payload) for lsn, payload in zip(lsns, payloads, strict=True)], ts, xids)
+    return batch.encode(info, _arange(len(payloads)))
+
+
+def truncate_marker(lsn: int, oid: int) -> bytes:
+    """A TRUNCATE of one table, kept among the row messages at its position: a WAL data message whose
+    payload is pgoutput's tag 'T' and the relation OID where row messages carry theirs (a real Truncate
+    message is longer, and is never kept)."""
+    return xlog_data(lsn, b"T" + pgoutput.RELATION_OID.pack(oid))
+
+
+def xlog_data(lsn: int, payload: bytes) -> bytes:
+    """A WAL data message as the stream delivers it: 'w', WAL start, WAL end, send time, then the payload."""
+    return b"w" + _XLOG_START.pack(lsn) + bytes(16) + payload
+
+
+def _arange(count: int) -> pa.Array:
+    return pc.indices_nonzero(pa.repeat(True, count)).cast(pa.int64())
+
+
+@functools.lru_cache(maxsize=16)
+def _interleaving(count: int) -> tuple[pa.Array, pa.Array]:
+    """Indices putting two arrays of ``count`` side by side (a0, b0, a1, b1...), and the even positions.
+    Cached: every column of a table's rows needs the same two."""
+    index = _arange(2 * count)
+    interleave = pc.add(pc.shift_right(index, 1), pc.multiply(pc.bit_wise_and(index, 1), count))
+    return interleave, pc.multiply(_arange(count), 2)
+
+
+def _strings(value: str, count: int) -> pa.Array:
+    return pa.repeat(pa.scalar(value, pa.string()), count)
+
+
+# Zero bytes after the last message: every probe a kernel makes stays inside the buffer, even into a
+# malformed message (the bounds checks then reject it), so a byte is one ``take``.
+_PADDING = b"\0" * 8
+
+
+class MessageBatch:
+    """Row messages (of any tables) concatenated in one buffer that Arrow kernels address by offset.
+
+    Messages are whole WAL data messages as :meth:`ReplicationStream.read_batch` returns them (header
+    of :data:`XLOG_HEADER` bytes, then the pgoutput payload): their LSN is read here, in bulk too.
+    """
+
+    def __init__(self, messages: Sequence[bytes | memoryview], ts: Sequence[int], xids: Sequence[int]) -> None:
+        self.messages = messages
+        self.buffer = pa.py_buffer(b"".join(messages) + _PADDING)
+        self.bytes = pa.Array.from_buffers(pa.uint8(), self.buffer.size, [None, self.buffer])
+        bounds = list(itertools.accumulate(map(len, messages), initial=0))
+        message_starts = pa.array(bounds[:-1], pa.int64())
+        self.starts = pc.add(message_starts, XLOG_HEADER)  # of the payloads
+        self.ends = pa.array(bounds[1:], pa.int64())
+        self.lsn = self.int_at(pc.add(message_starts, 1), 8)
+        self.ts, self.xids = ts, xids
+        self.ts_array, self.xid = pa.array(ts, pa.int64()), pa.array(xids, pa.int64())
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def payload(self, row: int) -> bytes:
+        return bytes(self.messages[row][XLOG_HEADER:])
+
+    def relation_oids(self) -> pa.Array:
+        """The relation OID of every message (row messages and TRUNCATE markers carry it after the tag)."""
+        return self.int_at(pc.add(self.starts, 1), 4)
+
+    def encode(self, info: RelationInfo, rows: pa.Array) -> EncodedSegment:
+        """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending)."""
+        columns = _Decoder(self, info, rows).columns()
+        lsns = pc.take(self.lsn, rows)
+        data = encode_columns(info.relation, *columns)
+        return EncodedSegment(data=data, rows=len(columns[0]), first_lsn=lsns[0].as_py(), last_lsn=pc.max(lsns).as_py())
+
+    def byte_at(self, positions: pa.Array) -> pa.Array:
+        return pc.take(self.bytes, positions)
+
+    def int_at(self, positions: pa.Array, width: int) -> pa.Array:
+        """Big-endian unsigned integers of ``width`` bytes at each position."""
+        value = self.byte_at(positions).cast(pa.int64())
+        for offset in range(1, width):
+            following = self.byte_at(pc.add(positions, offset)).cast(pa.int64())
+            value = pc.bit_wise_or(pc.shift_left(value, 8), following)
+        return value
+
+
+class _Decoder:
+    """Staging columns of some rows of a :class:`MessageBatch`, all of one relation."""
+
+    def __init__(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> None:
+        self.batch = batch
+        self.info = info
+        self.rows = rows
+        self.count = len(rows)
+        self.starts = pc.take(batch.starts, rows)
+        self.ends = pc.take(batch.ends, rows)
+
+    def walk(self, rows: pa.Array, tuple_starts: pa.Array) -> list[tuple[pa.Array, pa.Array, pa.Array]] | None:
+        """(kind, value start, value end) of every column of the tuples at ``tuple_starts`` (``rows`` index
+        this decoder's rows), or None when a tuple is not one the bulk path reads: another column count,
+        binary or unknown value kinds, or values past the message's end (the row-by-row decoder says why)."""
+        width = len(self.info.relation.columns)
+        batch = self.batch
+        if not pc.all(pc.equal(batch.int_at(tuple_starts, 2), width)).as_py():
+            return None
+        limit = pc.take(self.ends, rows)
+        position = pc.add(tuple_starts, 2)
+        columns = []
+        for _ in range(width):
+            kind = batch.byte_at(position)
+            text = pc.equal(kind, _TEXT)
+            if not pc.all(pc.or_(text, pc.or_(pc.equal(kind, _NULL), pc.equal(kind, _TOAST)))).as_py():
+                return None
+            length = pc.if_else(text, batch.int_at(pc.add(position, 1), 4), 0)
+            start = pc.add(position, pc.if_else(text, 5, 1))
+            end = pc.add(start, length)
+            if not pc.all(pc.less_equal(end, limit)).as_py():
+                return None
+            columns.append((kind, start, end))
+            position = end
+        return columns
+
+    def texts(self, starts: pa.Array, ends: pa.Array) -> pa.Array:
+        """blob[start:end] for each pair, as a string array (UTF-8 checked), sliced by Arrow."""
+        count = len(starts)
+        if count == 0:
+            return pa.array([], pa.string())
+        # Offsets start0, end0, start1, end1, ... cut the blob into pieces whose even ones are the values.
+        interleave, evens = _interleaving(count)
+        narrow = self.batch.buffer.size < 2**31
+        offset_type = pa.int32() if narrow else pa.int64()
+        both = pa.concat_arrays([starts.cast(offset_type), ends.cast(offset_type)])
+        offsets = pc.take(both, interleave)
+        pieces = pa.Array.from_buffers(
+            pa.binary() if narrow else pa.large_binary(),
+            2 * count - 1,
+            [None, offsets.buffers()[1], self.batch.buffer],
+        )
+        return pc.take(pieces, evens).cast(pa.string())
+
+    def json_objects(
+        self, columns: list[tuple[int, pa.Array, pa.Array, pa.Array]], count: int
+    ) -> tuple[pa.Array, pa.Array]:
+        """(``_data``, ``_unchanged_cols``) of rows whose columns are (index, kind, start, end)."""
+        values = []
+        for index, kind, start, end in columns:
+            text = self.texts(start, end)
+            if index not in self.info.plain_columns:
+                escape = pc.match_substring_regex(text, _NEEDS_ESCAPE)
+                if pc.any(escape).as_py():
+                    wrong = pc.take(text, pc.indices_nonzero(escape)).to_pylist()
+                    fixed = pa.array([json.dumps(v, ensure_ascii=False)[1:-1] for v in wrong], pa.string())
+                    text = pc.replace_with_mask(text, escape, fixed)
+            values.append((index, kind, text, pc.any(pc.not_equal(kind, _TEXT)).as_py()))
+        if any(pc.any(pc.equal(kind, _TOAST)).as_py() for _, kind, _, other in values if other):
+            return self._json_with_unchanged(values, count)
+        # One kernel call joins the whole object: literal keys and punctuation between the values,
+        # a column holding NULLs given as its own piece ('"key":null' or '"key":"text"').
+        pieces: list[pa.Array | str] = []
+        literal = "{"
+        for index, kind, text, other in values:
+            key = self.info.json_keys[index]
+            if other:
+                quoted = pc.binary_join_element_wise(f'{key}:"', text, '"', "")
+                pieces += [literal, pc.if_else(pc.equal(kind, _NULL), f"{key}:null", quoted)]
+                literal = ","
+            else:
+                pieces += [f'{literal}{key}:"', text]
+                literal = '",'
+        pieces.append(literal.removesuffix(",") + "}")
+        return pc.binary_join_element_wise(*pieces, ""), pa.nulls(count, pa.string())
+
+    def _json_with_unchanged(
+        self, values: list[tuple[int, pa.Array, pa.Array, bool]], count: int
+    ) -> tuple[pa.Array, pa.Array]:
+        """The objects when some values are unchanged TOAST: those keys are left out and named instead."""
+        parts, unchanged = [], []
+        for index, kind, text, _ in values:
+            key = self.info.json_keys[index]
+            part = pc.if_else(
+                pc.equal(kind, _NULL), f",{key}:null", pc.binary_join_element_wise(f',{key}:"', text, '"', "")
+            )
+            toast = pc.equal(kind, _TOAST)
+            parts.append(pc.if_else(toast, "", part))
+            unchanged.append(pc.if_else(toast, "," + self.info.csv_names[index], ""))
+        # Every part starts with a comma (an unchanged value contributes nothing): drop the first.
+        joined = pc.utf8_slice_codeunits(pc.binary_join_element_wise(*parts, ""), 1)
+        data = pc.binary_join_element_wise("{", joined, "}", "")
+        names = pc.utf8_slice_codeunits(pc.binary_join_element_wise(*unchanged, ""), 1)
+        return data, pc.if_else(pc.equal(names, ""), pa.scalar(None, pa.string()), names)
+
+    def columns(self) -> list[pa.Array]:
+        """The six staging columns: op, lsn, ts, xid, unchanged, data."""
+        batch = self.batch
+        tag = batch.byte_at(self.starts)
+        kind = batch.byte_at(pc.add(self.starts, 5))
+        is_new = pc.and_(pc.or_(pc.equal(tag, _INSERT), pc.equal(tag, _UPDATE)), pc.equal(kind, _NEW))
+        is_delete = pc.and_(pc.equal(tag, _DELETE), pc.or_(pc.equal(kind, _KEY), pc.equal(kind, _OLD)))
+        is_truncate = pc.and_(
+            pc.equal(tag, _TRUNCATE), pc.equal(pc.subtract(self.ends, self.starts), _TRUNCATE_PAYLOAD)
+        )
+        lsn, ts, xid = (pc.take(values, self.rows) for values in (batch.lsn, batch.ts_array, batch.xid))
+        groups: list[list[pa.Array]] = []  # each: order, op, lsn, ts, xid, unchanged, data
+        leftover = pc.invert(pc.or_(pc.or_(is_new, is_delete), is_truncate))
+        for mask, kind_of_group in ((is_new, "new"), (is_delete, "delete"), (is_truncate, "truncate")):
+            rows = pc.indices_nonzero(mask).cast(pa.int64())
+            count = len(rows)
+            if count == 0:
+                continue
+            if kind_of_group == "truncate":
+                op, unchanged, data = _strings(TRUNCATE, count), pa.nulls(count, pa.string()), _strings("{}", count)
+            else:
+                walked = self.walk(rows, pc.add(pc.take(self.starts, rows), 6))
+                if walked is None:  # the row-by-row decoder explains (or raises)
+                    leftover = pc.or_(leftover, mask)
+                    continue
+                if kind_of_group == "new":
+                    selected = list(range(len(walked)))
+                    op = pc.if_else(pc.equal(pc.take(tag, rows), _INSERT), INSERT, UPDATE)
+                else:
+                    # A deleted row is staged by its key (REPLICA IDENTITY DEFAULT sends nothing else).
+                    selected = [self.info.positions[k] for k in self.info.table.primary_key]
+                    if any(pc.any(pc.equal(walked[i][0], _TOAST)).as_py() for i in selected):
+                        leftover = pc.or_(leftover, mask)
+                        continue
+                    op = _strings(DELETE, count)
+                data, unchanged = self.json_objects([(i, *walked[i]) for i in selected], count)
+            if count == self.count:
+                return [op, lsn, ts, xid, unchanged, data]  # one kind of row: already in log order
+            order = pc.add(pc.multiply(rows, 2), 1)
+            groups.append([order, op, pc.take(lsn, rows), pc.take(ts, rows), pc.take(xid, rows), unchanged, data])
+        if pc.any(leftover).as_py():
+            groups.append(self.row_by_row(pc.indices_nonzero(leftover).to_pylist()))
+        if len(groups) == 1:
+            return groups[0][1:]
+        merged = [pa.concat_arrays([group[i] for group in groups]) for i in range(7)]
+        order = pc.sort_indices(merged[0])
+        return [pc.take(column, order) for column in merged[1:]]
+
+    def row_by_row(self, rows: list[int]) -> list[pa.Array]:
+        """The staging columns of ``rows`` decoded one message at a time (order key first)."""
+        batch = self.batch
+        staged: list[tuple[Any, ...]] = []
+        positions = self.rows.to_pylist()
+        for row in rows:
+            at = positions[row]
+            for sub, op, data, unchanged in row_changes(self.info, pgoutput.decode(batch.payload(at))):
+                staged.append(
+                    (
+                        row * 2 + sub,
+                        op,
+                        batch.lsn[at].as_py(),
+                        batch.ts[at],
+                        batch.xids[at],
+                        join_names(unchanged) if unchanged else None,
+                        json.dumps(data, separators=(",", ":"), ensure_ascii=False),
+                    )
+                )
+        types = [pa.int64(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.string(), pa.string()]
+        return [pa.array(column, kind) for column, kind in zip(zip(*staged, strict=True), types, strict=True)]
+
+
+def row_changes(
+    info: RelationInfo, message: pgoutput.Message
+) -> list[tuple[int, str, dict[str, Any], tuple[str, ...]]]:
+    """(order within the message, op, data, unchanged names) of the staged rows of one decoded row message:
+    the row-by-row reference the bulk path must equal."""
+    names = [column.name for column in info.relation.columns]
+    key = info.table.primary_key
+
+    def row(values: pgoutput.Tuple) -> tuple[dict[str, Any], tuple[str, ...]]:
+        data = {n: v for n, v in zip(names, values, strict=True) if v is not pgoutput.UNCHANGED}
+        unchanged = tuple(n for n, v in zip(names, values, strict=True) if v is pgoutput.UNCHANGED)
+        return data, unchanged
+
+    def key_of(values: pgoutput.Tuple) -> dict[str, Any]:
+        return {k: values[info.positions[k]] for k in key}
+
+    if isinstance(message, pgoutput.Insert):
+        return [(1, INSERT, *row(message.new))]
+    if isinstance(message, pgoutput.Delete):
+        return [(1, DELETE, key_of(message.old), ())]
+    if not isinstance(message, pgoutput.Update):
+        raise pgoutput.DecodeError(f"not a row message: {type(message).__name__}")
+    new_values = message.new
+    if message.old is not None and message.old_kind == "O":
+        # REPLICA IDENTITY FULL: the old row can fill unchanged TOAST values of the new one.
+        new_values = tuple(
+            old if new is pgoutput.UNCHANGED else new for old, new in zip(message.old, message.new, strict=True)
+        )
+    changes: list[tuple[int, str, dict[str, Any], tuple[str, ...]]] = []
+    if message.old is not None and key_of(message.old) != key_of(message.new):
+        # The primary key changed: the old key's row is gone, the new key's row is written.
+        changes.append((0, DELETE, key_of(message.old), ()))
+    changes.append((1, UPDATE, *row(new_values)))
+    return changes
