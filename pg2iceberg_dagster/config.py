@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from .errors import ConfigError
 
-_IDENT = r'[A-Za-z_][A-Za-z0-9_$]*|"[^"]+"'
+# An unquoted name, or a quoted one in which a double quote is written twice (SQL's own escape).
+_IDENT = r'[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+"'
 _QUALIFIED_NAME = re.compile(rf"^({_IDENT})\.({_IDENT})$")
 
 
@@ -115,7 +116,7 @@ class TableConfig(_Strict):
 
 
 def _unquote(identifier: str) -> str:
-    return identifier[1:-1] if identifier.startswith('"') else identifier
+    return identifier[1:-1].replace('""', '"') if identifier.startswith('"') else identifier
 
 
 class ReplicationConfig(_Strict):

@@ -33,6 +33,13 @@ class SchemaChangeError(Pg2IcebergError):
     exit_code = 3
 
 
+class StagingError(Pg2IcebergError):
+    """Staged data cannot be written or read: the object store (unreachable, full, denied) or the local
+    spill directory of a large transaction (full)."""
+
+    exit_code = 1
+
+
 class SlotBusyError(Pg2IcebergError):
     """Another process is consuming the replication slot."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 import psycopg
@@ -9,7 +10,7 @@ from psycopg import sql
 
 from .config import PipelineConfig
 from .coordination.store import CoordinationStore
-from .errors import StartupCheckError
+from .errors import StartupCheckError, UnsupportedTypeError
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
 from .source.catalog import SourceTable, TypeResolver, describe_table, server_version
@@ -71,14 +72,32 @@ def _check_server(conn: psycopg.Connection) -> None:
         raise StartupCheckError(f"role {user} lacks the REPLICATION privilege; run ALTER ROLE {user} REPLICATION")
 
 
-def ensure_publication(conn: psycopg.Connection, config: PipelineConfig, tables: list[SourceTable]) -> None:
-    """The publication must exist (created when allowed), publish all operations and cover every table."""
+def _cleanup_tables(keys: list[str]) -> str:
+    """The cleanup command that resets ``keys`` so they are snapshotted again."""
+    return "`pg2iceberg-dagster cleanup " + " ".join(f"--table {shlex.quote(key)}" for key in keys) + "`"
+
+
+def ensure_publication(
+    conn: psycopg.Connection, config: PipelineConfig, tables: list[SourceTable], mirrored: frozenset[str] = frozenset()
+) -> None:
+    """The publication must exist (created when allowed), publish all operations and cover every table.
+
+    ``mirrored`` names the tables that already have pipeline state: one of them missing from the
+    publication has lost changes, so re-adding it is not enough.
+    """
     name = config.replication.publication
     row = conn.execute(
         "SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = %s",
         (name,),
     ).fetchone()
     if row is None:
+        if mirrored:
+            # Recreating it would hide the gap: changes made while it did not exist were never streamed.
+            raise StartupCheckError(
+                f"publication {name} is gone but the pipeline already mirrors {', '.join(sorted(mirrored))}; "
+                "changes made without it never reach the mirror. Run `pg2iceberg-dagster cleanup --all --yes` "
+                "and snapshot again"
+            )
         if not config.replication.create_publication:
             raise StartupCheckError(
                 f"publication {name} does not exist; create it FOR TABLE the configured tables, "
@@ -103,6 +122,16 @@ def ensure_publication(conn: psycopg.Connection, config: PipelineConfig, tables:
         )
     }
     missing = [t.key for t in tables if t.key not in covered]
+    dropped = [key for key in missing if key in mirrored]
+    if dropped:
+        # pgoutput decides membership as of each change: what was written while the table was out of
+        # the publication is never streamed, even after it is added back.
+        names = ", ".join(dropped)
+        raise StartupCheckError(
+            f"publication {name} no longer covers {names}, which the pipeline already mirrors; changes made "
+            f"while it was out of the publication never reach the mirror. Run ALTER PUBLICATION {name} ADD "
+            f"TABLE {names}, then {_cleanup_tables(dropped)} and `snapshot` again"
+        )
     if missing:
         raise StartupCheckError(
             f"publication {name} does not cover {', '.join(missing)}; "
@@ -113,29 +142,35 @@ def ensure_publication(conn: psycopg.Connection, config: PipelineConfig, tables:
 def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupReport:
     """Run every startup check; raise StartupCheckError on the first breach."""
     store.migrate()
-    system_identifier = identify_system(config)
     meta = store.pipeline_meta()
-    if meta is not None and meta.system_identifier != system_identifier:
-        raise StartupCheckError(
-            f"the source cluster changed: coordination state belongs to system_identifier "
-            f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
-            "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
-        )
     with connect(config.source) as conn:
         version = server_version(conn)
+        # Before the replication connection: a role without REPLICATION gets the check's advice, not
+        # the walsender's refusal to connect.
         _check_server(conn)
+        system_identifier = identify_system(config)
+        if meta is not None and meta.system_identifier != system_identifier:
+            raise StartupCheckError(
+                f"the source cluster changed: coordination state belongs to system_identifier "
+                f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
+                "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
+            )
         resolver = TypeResolver(conn)
         tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
         for table in tables.values():
-            iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
-        for key, state in store.table_states().items():
+            try:
+                iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
+            except UnsupportedTypeError as exc:
+                raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
+        states = store.table_states()
+        for key, state in states.items():
             if key in tables and state.pg_oid != tables[key].oid:
                 raise StartupCheckError(
                     f"{key} was dropped and recreated (pg_class.oid {state.pg_oid} -> {tables[key].oid}); "
                     f"its mirror is stale: run `pg2iceberg-dagster cleanup --table {key}` to snapshot it again"
                 )
 
-        ensure_publication(conn, config, list(tables.values()))
+        ensure_publication(conn, config, list(tables.values()), frozenset(states.keys() & tables.keys()))
         slot = slot_info(conn, config.replication.slot)
         database = conn.info.dbname
 
@@ -150,6 +185,14 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
             f"replication slot {config.replication.slot} is gone but the pipeline created it; changes since "
             "then are lost: run `pg2iceberg-dagster cleanup --all` and snapshot again"
         )
+    if not slot_recorded:
+        # Chunks read with no slot behind them: nothing replays the changes made after their read.
+        read = [key for key in states if any(chunk.done for chunk in store.chunks(key))]
+        if read:
+            raise StartupCheckError(
+                f"snapshot chunks of {', '.join(read)} were read without a replication slot, so changes made since "
+                f"are lost to the mirror; run {_cleanup_tables(read)} (or `cleanup --all --yes`) and snapshot again"
+            )
     if slot is not None:
         if not slot_recorded:
             raise StartupCheckError(

@@ -135,3 +135,99 @@ def assert_mirrored(pipeline: Pipeline) -> None:
     diffs = pipeline.verify()
     bad = [d for d in diffs if not d.ok]
     assert not bad, bad
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., EmbeddedPostgres]]:
+    """A factory of dedicated throwaway clusters (for server settings the shared one cannot have).
+
+    ``make_cluster(conf=[...], hba=[...])`` appends ``conf`` lines to postgresql.conf and puts ``hba``
+    lines before the trust lines of pg_hba.conf (first match wins). Every cluster is stopped by its pid.
+    """
+    clusters: list[EmbeddedPostgres] = []
+
+    def make(conf: list[str] | None = None, hba: list[str] | None = None) -> EmbeddedPostgres:
+        cluster = EmbeddedPostgres(tmp_path / f"cluster{len(clusters)}", free_port())
+        clusters.append(cluster)
+        cluster.init()
+        with open(cluster.data_dir / "postgresql.conf", "a", encoding="utf-8") as handle:
+            handle.writelines(f"{line}\n" for line in conf or [])
+        if hba:
+            path = cluster.data_dir / "pg_hba.conf"
+            path.write_text("".join(f"{line}\n" for line in hba) + path.read_text(encoding="utf-8"), encoding="utf-8")
+        cluster.start()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+
+
+def config_on(
+    source: SourceDb, cluster: EmbeddedPostgres, tables: list[str], dbname: str = "postgres", **overrides: Any
+) -> PipelineConfig:
+    """``source.config`` with the source (and coordination state) on a dedicated ``cluster``; the Iceberg
+    catalog stays on the shared cluster."""
+    data = source.config(tables, **overrides).model_dump()
+    data["source"].update(port=cluster.port, dbname=dbname)
+    data["state"] = None
+    return parse_config(data)
+
+
+def footprint(config: PipelineConfig, staged: bool = True) -> dict[str, Any]:
+    """Everything the pipeline has written so far, to compare before and after a refusal: the slot and
+    its position, the publication, every coordination row, the Iceberg tables and their snapshots, and
+    (``staged``) the staged files."""
+    from pg2iceberg_dagster.iceberg.catalog import open_catalog, table_identifier
+    from pg2iceberg_dagster.staging.store import ObjectStore
+
+    result: dict[str, Any] = {}
+    with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
+        result["slot"] = conn.execute(
+            "SELECT confirmed_flush_lsn::text, restart_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (config.replication.slot,),
+        ).fetchall()
+        result["publication"] = (
+            conn.execute(
+                "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2",
+                (config.replication.publication,),
+            ).fetchall()
+            or conn.execute(
+                "SELECT 1 FROM pg_publication WHERE pubname = %s", (config.replication.publication,)
+            ).fetchall()
+        )
+    with psycopg.connect(config.state_connection.conninfo(), autocommit=True) as conn:
+        tables = [
+            name
+            for (name,) in conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = '_pg2iceberg' "
+                "AND table_name <> 'schema_migrations' ORDER BY 1"
+            )
+        ]
+        for name in tables:
+            result[f"_pg2iceberg.{name}"] = sorted(
+                row
+                for (row,) in conn.execute(
+                    psycopg.sql.SQL("SELECT row_to_json(t)::text FROM _pg2iceberg.{} t").format(
+                        psycopg.sql.Identifier(name)
+                    )
+                )
+            )
+    catalog = open_catalog(config)
+    for table in config.tables:
+        identifier = table_identifier(config, table)
+        if catalog.table_exists(identifier):
+            result[f"iceberg:{identifier}"] = [s.snapshot_id for s in catalog.load_table(identifier).snapshots()]
+    if staged:
+        result["staged"] = ObjectStore(config.staging).list()
+    return result
+
+
+def written_anything(config: PipelineConfig) -> list[str]:
+    """What a pipeline that never ran has nonetheless written (should be empty after a refusal)."""
+    found = footprint(config)
+    written = [key for key in ("slot", "publication", "staged") if found[key]]
+    written += [key for key, rows in found.items() if key.startswith("_pg2iceberg.") and rows]
+    return written + [key for key in found if key.startswith("iceberg:")]

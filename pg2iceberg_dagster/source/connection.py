@@ -20,7 +20,9 @@ def connect(target: PostgresConnection, *, autocommit: bool = True, replication:
     try:
         return psycopg.connect(target.conninfo(**kwargs), autocommit=autocommit)
     except psycopg.OperationalError as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        # Every line: libpq puts the cause ("Connection refused", "password authentication failed")
+        # before its hint line. libpq never echoes the password.
+        reason = " ".join(line.strip() for line in str(exc).strip().splitlines()) or type(exc).__name__
         raise Pg2IcebergError(
             f"cannot connect to {target.describe()}{' (replication)' if replication else ''}: {reason}"
         ) from None

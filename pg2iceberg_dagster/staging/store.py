@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 from pyarrow import fs
 
 from ..config import StagingConfig
+from ..errors import StagingError
 
 
 def staged_file_key(table: str, lsn: int) -> str:
@@ -47,20 +48,44 @@ class ObjectStore:
             self.filesystem = fs.S3FileSystem(**options)
             self.root = f"{parsed.netloc}{parsed.path}".rstrip("/")
         self.url = config.url
+        # Where the store is, for errors: the endpoint is what an operator checks first.
+        self.location = (
+            f"{config.url} (S3 endpoint {config.s3.endpoint or 'of region ' + config.s3.region})"
+            if parsed.scheme == "s3"
+            else config.url
+        )
 
     def _full(self, key: str) -> str:
         return f"{self.root}/{key}"
 
+    def _failed(self, action: str, key: str, exc: OSError) -> StagingError:
+        # pyarrow's S3 errors carry the AWS error and curl detail, never the credentials.
+        return StagingError(f"cannot {action} staged file {key} in {self.location}: {exc}")
+
     def put(self, key: str, data: bytes) -> None:
-        """Write ``data`` at ``key`` (durably enough to be read back by another process)."""
+        """Write ``data`` at ``key`` (durably enough to be read back by another process).
+
+        On failure (store unreachable, disk full, access denied) no partial file is left behind and a
+        :class:`StagingError` names the store and the reason.
+        """
         directory = self._full(key).rsplit("/", 1)[0]
-        self.filesystem.create_dir(directory, recursive=True)
-        with self.filesystem.open_output_stream(self._full(key)) as stream:
-            stream.write(data)
+        try:
+            self.filesystem.create_dir(directory, recursive=True)
+            with self.filesystem.open_output_stream(self._full(key)) as stream:
+                stream.write(data)
+        except OSError as exc:
+            if isinstance(self.filesystem, fs.LocalFileSystem):  # an S3 PUT never leaves half an object
+                with contextlib.suppress(OSError):
+                    self.filesystem.delete_file(self._full(key))  # a truncated file would only waste space
+            raise self._failed("write", key, exc) from exc
 
     def get(self, key: str) -> bytes:
-        with self.filesystem.open_input_stream(self._full(key)) as stream:
-            return stream.read()
+        """The bytes at ``key``; a :class:`StagingError` names the store when it cannot be read."""
+        try:
+            with self.filesystem.open_input_stream(self._full(key)) as stream:
+                return stream.read()
+        except OSError as exc:
+            raise self._failed("read", key, exc) from exc
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

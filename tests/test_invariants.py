@@ -1,0 +1,143 @@
+"""Startup and runtime invariants once the pipeline has state: lost WAL, a table taken out of the
+publication, snapshot state without a slot. Every entry point refuses, says what to do, writes nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pg2iceberg_dagster.config import PipelineConfig
+from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.errors import StartupCheckError
+from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.snapshot.holder import hold_snapshot
+
+from .conftest import SourceDb, config_on, footprint
+
+
+class Crash(Exception):
+    """Stands for the process dying mid-snapshot."""
+
+
+def _every_entry_point_refuses(source: SourceDb, config: PipelineConfig, match: str) -> None:
+    """validate, snapshot, stream, materialize and verify each refuse with ``match`` and change nothing."""
+    before = footprint(config)
+    entry_points: dict[str, Callable[[Pipeline], object]] = {
+        "validate": lambda p: p.validate(),
+        "snapshot": lambda p: p.snapshot(),
+        "stream": lambda p: p.stream(until_caught_up=True),
+        "materialize": lambda p: p.materialize(),
+        "verify": lambda p: p.verify(),
+    }
+    for name, call in entry_points.items():
+        with pytest.raises(StartupCheckError, match=match):
+            call(source.pipeline(config))  # a fresh process: nothing cached from earlier checks
+        assert footprint(config) == before, f"{name} wrote something before refusing"
+
+
+def _wal_status(cluster: EmbeddedPostgres, slot: str) -> str | None:
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        row = conn.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return row[0] if row else None
+
+
+def test_lost_wal_is_refused_everywhere(source: SourceDb, make_cluster: Callable[..., EmbeddedPostgres]) -> None:
+    """A slot whose WAL was removed (max_slot_wal_keep_size) can no longer deliver every change."""
+    cluster = make_cluster(conf=["max_slot_wal_keep_size = 1MB", "wal_keep_size = 0"])
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO public.t SELECT g, 'v' FROM generate_series(1, 100) g")
+    config = config_on(source, cluster, ["public.t"])
+    source.pipeline(config).snapshot()
+    assert _wal_status(cluster, config.replication.slot) == "reserved"
+
+    # Nobody streams; WAL grows past max_slot_wal_keep_size and a checkpoint removes the slot's segments.
+    deadline = time.monotonic() + 30
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        while _wal_status(cluster, config.replication.slot) != "lost":
+            assert time.monotonic() < deadline, "the slot never lost its WAL"
+            conn.execute("INSERT INTO public.t SELECT g, 'w' FROM generate_series(1000, 1100) g ON CONFLICT DO NOTHING")
+            conn.execute("UPDATE public.t SET v = v || '.'")
+            conn.execute("SELECT pg_switch_wal()")
+            conn.execute("CHECKPOINT")
+
+    _every_entry_point_refuses(source, config, r"has lost required WAL \(wal_status = lost\).*cleanup --all")
+    assert source.pipeline(config).status()["slot"]["wal_status"] == "lost"  # status still reports, for operators
+
+
+def test_table_removed_from_publication_is_refused(source: SourceDb) -> None:
+    """Changes of a table outside the publication never reach the WAL stream: the mirror must stop and
+    say that re-adding the table is not enough (what changed meanwhile was never decoded)."""
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text); CREATE TABLE public.u (id int PRIMARY KEY)")
+    source.execute("INSERT INTO public.t VALUES (1, 'a'); INSERT INTO public.u VALUES (1)")
+    config = source.config(["public.t", "public.u"])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    source.execute("INSERT INTO public.t VALUES (2, 'b'); INSERT INTO public.u VALUES (2)")
+    pipeline.stream(until_caught_up=True)
+    assert pipeline.store.log_head("public.u") == 1
+
+    source.execute(f"ALTER PUBLICATION {config.replication.publication} DROP TABLE public.u")
+    source.execute("INSERT INTO public.u VALUES (3); INSERT INTO public.t VALUES (3, 'c')")
+    _every_entry_point_refuses(
+        source,
+        config,
+        rf"publication {config.replication.publication} no longer covers public\.u.*ADD TABLE public\.u.*"
+        r"cleanup --table public\.u",
+    )
+    # The whole publication dropped: recreating it (create_publication) would hide the gap.
+    source.execute(f"DROP PUBLICATION {config.replication.publication}")
+    _every_entry_point_refuses(source, config, r"publication \S+ is gone but the pipeline already mirrors public\.t")
+    assert footprint(config)["publication"] == []
+
+
+def test_slot_dropped_mid_snapshot_is_refused(source: SourceDb) -> None:
+    """Some chunks are in Iceberg, then the slot disappears: resuming would read the rest at a later
+    point with no WAL from the consistent point. No entry point may create a new slot and carry on."""
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.t SELECT g, repeat('x', 200) FROM generate_series(1, 3000) g")
+    config = source.config(["public.t"], snapshot={"chunk_pages": 8, "parallelism": 1})
+
+    def crash_after_first(chunk: object, rows: int) -> None:
+        raise Crash
+
+    with pytest.raises(Crash):
+        source.pipeline(config).snapshot(on_chunk=crash_after_first)
+    source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
+    state = footprint(config)
+    assert state["_pg2iceberg.tables"] and any(
+        '"status":"done"' in row for row in state["_pg2iceberg.snapshot_progress"]
+    )
+    _every_entry_point_refuses(source, config, r"replication slot \S+ is gone but the pipeline created it.*cleanup")
+    assert footprint(config)["slot"] == [], "a new slot was created"
+
+
+def test_chunks_read_without_a_slot_are_refused(source: SourceDb, tmp_path: Path) -> None:
+    """Dagster chunk runs import the snapshot of a holder process. When the holder cannot create the
+    slot, a chunk run must not read anyway: nothing would replay the changes after its read."""
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.t SELECT g, 'v' FROM generate_series(1, 500) g")
+    config = source.config(["public.t"])
+    pipeline = source.pipeline(config)
+    runner = pipeline.snapshot_runner()
+    table = pipeline.validate().tables["public.t"]
+    chunk = runner.plan(table, None)[0]
+    # The holder process dies at once (its config file is missing), so no slot is created.
+    with pytest.raises(StartupCheckError, match=r"hold-snapshot.*exited without creating replication slot"):
+        runner.run_partitions("public.t", [chunk.partition_key], str(tmp_path / "missing.yaml"))
+    state = footprint(config)
+    assert state["slot"] == [] and not any('"status":"done"' in r for r in state["_pg2iceberg.snapshot_progress"])
+    assert state[f"iceberg:{config.iceberg_identifier(config.tables[0])[0]}.t"] == [], "rows were committed"
+
+    # State left by a chunk read without any slot (what the engine did before the check above): refused.
+    assert runner.run_chunk(table, chunk, None) == 500
+    _every_entry_point_refuses(
+        source, config, r"public\.t.*read without a replication slot.*cleanup --table public\.t.*snapshot again"
+    )
+    with pytest.raises(StartupCheckError, match="read without a replication slot"):
+        hold_snapshot(config, max_seconds=1)
+    assert footprint(config)["slot"] == []
