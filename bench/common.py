@@ -29,6 +29,7 @@ from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, find_pg_bin, free_port
 
 CATALOG_DB = "iceberg_catalog"
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SOURCE_DB = "bench"
 
 # pgbench_accounts' shape: narrow rows of ~100 bytes.
@@ -144,6 +145,14 @@ def percentile(values: list[float], fraction: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of every core since boot, from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values) - idle) / _CLOCK_TICKS, sum(values) / _CLOCK_TICKS
 
 
 def peak_rss_of_children_mb() -> float:

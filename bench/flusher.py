@@ -41,6 +41,7 @@ from .common import (
     argument_parser,
     bench_cluster,
     bench_config,
+    machine_busy_seconds,
     pg_tool,
     pgbench,
     timed,
@@ -59,14 +60,6 @@ def process_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def machine_busy_seconds() -> tuple[float, float]:
-    """(busy, total) CPU seconds of every core since boot, from /proc/stat."""
-    with open("/proc/stat", encoding="ascii") as stat:
-        values = [int(v) for v in stat.readline().split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return (sum(values) - idle) / CLOCK_TICKS, sum(values) / CLOCK_TICKS
 
 
 class WalsenderCpu:

@@ -21,8 +21,11 @@ Rates are rows/s and heap MB/s; each figure is the median of ``--repeat`` runs. 
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
@@ -35,6 +38,7 @@ from .common import (
     bench_cluster,
     bench_config,
     fill_table,
+    machine_busy_seconds,
     median,
     pg_tool,
     run_dlt_peer,
@@ -42,10 +46,31 @@ from .common import (
 )
 
 CHUNK_PAGES = 2048
+CORES = os.cpu_count() or 1
 
 
-def raw_copy_seconds(pg: EmbeddedPostgres, table: str, pages: int, workers: int) -> float:
-    """Wall time of ``workers`` psql processes each COPYing one CTID range of ``table`` to /dev/null."""
+@dataclass
+class Run:
+    """One measured run: wall seconds, CPU seconds of this process, CPU seconds of the whole machine."""
+
+    seconds: float
+    client_cpu: float
+    machine_cpu: float
+    chunks: int = 0
+
+
+def measured(action: Callable[[], int]) -> Run:
+    """Run ``action`` (it returns a chunk count) and measure it."""
+    busy_before, _ = machine_busy_seconds()
+    cpu_before = time.process_time()
+    started = time.perf_counter()
+    chunks = action()
+    seconds = time.perf_counter() - started
+    return Run(seconds, time.process_time() - cpu_before, machine_busy_seconds()[0] - busy_before, chunks)
+
+
+def raw_copy(pg: EmbeddedPostgres, table: str, pages: int, workers: int) -> int:
+    """``workers`` psql processes each COPYing one CTID range of ``table`` to /dev/null, all at once."""
     bounds = [pages * index // workers for index in range(workers)] + [None]
     commands = []
     for start, stop in itertools.pairwise(bounds):
@@ -62,17 +87,15 @@ def raw_copy_seconds(pg: EmbeddedPostgres, table: str, pages: int, workers: int)
                 f"COPY (SELECT * FROM {table} WHERE {where}) TO STDOUT",
             ]
         )
-    started = time.perf_counter()
     processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands]
     codes = [process.wait() for process in processes]
-    elapsed = time.perf_counter() - started
     if any(codes):
         raise RuntimeError(f"psql COPY failed with exit codes {codes}")
-    return elapsed
+    return workers
 
 
-def snapshot_seconds(pg: EmbeddedPostgres, root: Path, table: str, workers: int, run: str) -> tuple[float, int]:
-    """Wall time of our snapshot of ``table`` with ``workers`` parallel chunks; also its chunk count."""
+def snapshot(pg: EmbeddedPostgres, root: Path, table: str, workers: int, run: str) -> Run:
+    """Our snapshot of ``table`` with ``workers`` chunks read at once, measured."""
     pg.create_database(f"state_{run}")  # each run its own coordination state
     config = bench_config(
         pg,
@@ -86,13 +109,19 @@ def snapshot_seconds(pg: EmbeddedPostgres, root: Path, table: str, workers: int,
     )
     with Pipeline(config) as pipeline:
         pipeline.validate()  # connection checks and catalog set-up are not the snapshot's cost
-        started = time.perf_counter()
-        results = pipeline.snapshot()
-        elapsed = time.perf_counter() - started
-    result = results[f"public.{table}"]
-    if not result.complete:
-        raise RuntimeError(f"snapshot of {table} did not complete")
-    return elapsed, result.chunks_run
+
+        def run_snapshot() -> int:
+            result = pipeline.snapshot()[f"public.{table}"]
+            if not result.complete:
+                raise RuntimeError(f"snapshot of {table} did not complete")
+            return result.chunks_run
+
+        return measured(run_snapshot)
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run of median wall time."""
+    return sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
 
 
 def main() -> None:
@@ -106,32 +135,39 @@ def main() -> None:
     report = Report(
         "snapshot",
         vars(args) | {"json": None, "dir": None, "chunk_pages": CHUNK_PAGES},
-        ["table", "rows", "heap_mb", "loader", "workers", "seconds", "rows_per_s", "mb_per_s"],
+        ["table", "rows", "heap_mb", "loader", "workers", "seconds", "rows_per_s", "mb_per_s", "client_cpu_s", "busy"],
     )
+    why: list[str] = []
     with work_dir(args.dir) as root, bench_cluster(root) as pg:
         for dataset, rows in (("narrow", args.narrow_rows), ("wide", args.wide_rows)):
             heap = fill_table(pg, dataset, dataset, rows)
+            mb = heap / 1e6
             pages = heap // 8192
             ours: dict[int, float] = {}
             for workers in args.parallelism:
-                copy = median([raw_copy_seconds(pg, dataset, pages, workers) for _ in range(args.repeat)])
-                runs = [
-                    snapshot_seconds(pg, root, dataset, workers, f"{dataset}_p{workers}_r{attempt}")
-                    for attempt in range(args.repeat)
-                ]
-                ours[workers] = median([seconds for seconds, _ in runs])
-                report.add(dataset, rows, heap / 1e6, "raw COPY (psql)", workers, copy, rows / copy, heap / 1e6 / copy)
-                report.add(
-                    dataset,
-                    rows,
-                    heap / 1e6,
-                    f"pg2iceberg ({runs[0][1]} chunks)",
-                    workers,
-                    ours[workers],
-                    rows / ours[workers],
-                    heap / 1e6 / ours[workers],
+                copy = median_run(
+                    [measured(lambda: raw_copy(pg, dataset, pages, workers)) for _ in range(args.repeat)]  # noqa: B023
                 )
-                report.ratio(f"{dataset}_p{workers}_vs_raw_copy", copy / ours[workers], 0.8)
+                run = median_run(
+                    [
+                        snapshot(pg, root, dataset, workers, f"{dataset}_p{workers}_r{attempt}")
+                        for attempt in range(args.repeat)
+                    ]
+                )
+                ours[workers] = run.seconds
+                for loader, measured_run in (("raw COPY (psql)", copy), (f"pg2iceberg ({run.chunks} chunks)", run)):
+                    busy = measured_run.machine_cpu / (measured_run.seconds * CORES)
+                    report.add(
+                        dataset, rows, mb, loader, workers, measured_run.seconds, rows / measured_run.seconds,
+                        mb / measured_run.seconds, measured_run.client_cpu, f"{busy:.0%}",
+                    )  # fmt: skip
+                report.ratio(f"{dataset}_p{workers}_vs_raw_copy", copy.seconds / run.seconds, 0.8)
+                why.append(
+                    f"{dataset}, {workers} worker(s): raw COPY used {copy.machine_cpu:.1f} CPU-s in all; the snapshot "
+                    f"used {run.machine_cpu:.1f} CPU-s, {run.client_cpu:.1f} of them in this process (binary COPY "
+                    f"decoding into Arrow, Parquet encoding, Iceberg commits: "
+                    f"{run.client_cpu / rows * 1e6:.2f} us/row), on {CORES} cores"
+                )
             if args.no_dlt:
                 continue
             best = min(ours.values())
@@ -142,10 +178,10 @@ def main() -> None:
                         for attempt in range(args.repeat)
                     ]
                 )
-                report.add(
-                    dataset, rows, heap / 1e6, f"dlt ({backend})", "dlt default", peer, rows / peer, heap / 1e6 / peer
-                )
+                report.add(dataset, rows, mb, f"dlt ({backend})", "dlt default", peer, rows / peer, mb / peer, "-", "-")
                 report.ratio(f"{dataset}_vs_dlt_{backend}", peer / best, target)
+    for line in why:
+        print(f"why: {line}")
     report.emit(args.json)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -17,6 +18,7 @@ from .reader import conform, read_arrow, select_expressions
 
 MIN_CTID_RANGE_VERSION = 140000
 CHUNK_MARKER = "pg2iceberg.snapshot-chunk"
+CHUNK_MARKERS = "pg2iceberg.snapshot-chunks"  # a JSON list: the chunks one commit wrote
 CHUNK_READ_MODE = "pg2iceberg.snapshot-read-mode"
 EXPORTED_SNAPSHOT = "exported_snapshot"
 REPEATABLE_READ = "repeatable_read"
@@ -71,33 +73,46 @@ def committed_chunk_markers(table: Table) -> dict[str, str]:
     """Chunks whose rows are already in ``table``, with the mode they were read in (both ride in the
     snapshot summary; a marker without a mode counts as REPEATABLE READ, the mode that asks more of
     the materializer)."""
-    return {
-        summary[CHUNK_MARKER]: summary.get(CHUNK_READ_MODE, REPEATABLE_READ)
-        for summary in snapshot_summaries(table)
-        if CHUNK_MARKER in summary
-    }
+    committed: dict[str, str] = {}
+    for summary in snapshot_summaries(table):
+        markers = json.loads(summary[CHUNK_MARKERS]) if CHUNK_MARKERS in summary else []
+        if CHUNK_MARKER in summary:  # one chunk per commit, as earlier versions wrote it
+            markers.append(summary[CHUNK_MARKER])
+        committed.update(dict.fromkeys(markers, summary.get(CHUNK_READ_MODE, REPEATABLE_READ)))
+    return committed
 
 
-def commit_chunk(table: Table, chunk: Chunk, data: ChunkData, primary_key: tuple[str, ...]) -> int | None:
-    """Write a chunk's rows to Iceberg in one commit and return the new snapshot id.
+def commit_chunks(
+    table: Table, chunks: list[tuple[Chunk, ChunkData]], primary_key: tuple[str, ...]
+) -> tuple[list[tuple[Chunk, ChunkData]], int | None]:
+    """Write the rows of chunks read in one mode to Iceberg in one commit; returns the chunks this
+    commit wrote (not those an earlier commit already holds) and the new snapshot id.
 
-    Under the exported snapshot chunks are disjoint, so rows are appended; the chunk marker in the
-    same commit makes a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
+    Under the exported snapshot chunks are disjoint, so rows are appended; the chunk markers in the
+    same commit make a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
     be there (it moved pages since an earlier chunk read it), so rows are upserted by primary key.
+    One commit for several chunks: each commit rewrites the table metadata, so committing chunks as
+    they pile up costs a fraction of committing each.
     """
-    marker = {CHUNK_MARKER: chunk_marker(chunk), CHUNK_READ_MODE: data.read_mode}
+    modes = {data.read_mode for _, data in chunks}
+    if len(modes) != 1:
+        raise ValueError(f"chunks read in different modes cannot share a commit: {sorted(modes)}")
+    (read_mode,) = modes
 
-    def commit() -> int | None:
+    def commit() -> tuple[list[tuple[Chunk, ChunkData]], int | None]:
         table.refresh()
-        if chunk_marker(chunk) in committed_chunk_markers(table):
-            return table.current_snapshot().snapshot_id if table.current_snapshot() else None
-        if data.read_mode == EXPORTED_SNAPSHOT or data.rows.num_rows == 0:
-            table.append(data.rows, snapshot_properties=marker)
-        else:
-            table.upsert(data.rows, join_cols=list(primary_key), snapshot_properties=marker)
-        table.refresh()
+        committed = committed_chunk_markers(table)
+        todo = [(chunk, data) for chunk, data in chunks if chunk_marker(chunk) not in committed]
+        if todo:
+            markers = json.dumps([chunk_marker(chunk) for chunk, _ in todo])
+            properties = {CHUNK_MARKERS: markers, CHUNK_READ_MODE: read_mode}
+            rows = pa.concat_tables([data.rows for _, data in todo])
+            if read_mode == EXPORTED_SNAPSHOT or rows.num_rows == 0:
+                table.append(rows, snapshot_properties=properties)
+            else:
+                table.upsert(rows, join_cols=list(primary_key), snapshot_properties=properties)
         snapshot = table.current_snapshot()
-        return snapshot.snapshot_id if snapshot else None
+        return todo, snapshot.snapshot_id if snapshot else None
 
     return commit_with_retry(commit)
 

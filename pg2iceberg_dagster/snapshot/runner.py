@@ -15,7 +15,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 from pyiceberg.catalog import Catalog
+from pyiceberg.table import Table
 
 from ..config import PipelineConfig
 from ..coordination.store import Chunk, CoordinationStore
@@ -32,7 +34,7 @@ from .chunks import (
     ChunkData,
     arrow_schema_for,
     chunk_marker,
-    commit_chunk,
+    commit_chunks,
     committed_chunk_markers,
     plan_chunks,
     read_chunk,
@@ -40,6 +42,7 @@ from .chunks import (
 from .holder import SnapshotHolder, holder_lock_key, spawn_holder, wait_for_advertised_snapshot
 
 ChunkCallback = Callable[[Chunk, int], None]
+CHUNKS_IN_MEMORY_PER_WORKER = 4
 
 
 @dataclass
@@ -61,7 +64,9 @@ class SnapshotRunner:
         self.store = store
         self.report = report
         self.catalog = catalog
-        self._commit_locks: dict[str, threading.Lock] = {}
+        self._commit_locks: dict[str, threading.RLock] = {}
+        self._tables: dict[str, Table] = {}
+        self._schemas: dict[str, pa.Schema] = {}
 
     def pending_tables(self) -> list[SourceTable]:
         """Configured tables whose snapshot is not complete."""
@@ -87,26 +92,37 @@ class SnapshotRunner:
                 self.store.mark_chunk_done(table.key, chunk.index, 0, read_mode, None)
         return self.store.chunks(table.key)
 
+    def _iceberg_table(self, table: SourceTable) -> Table:
+        """The table's Iceberg table, loaded once per runner (commits refresh it)."""
+        loaded = self._tables.get(table.key)
+        if loaded is None:
+            loaded = self._tables[table.key] = self.catalog.load_table(
+                table_identifier(self.config, self.config.table(table.key))
+            )
+        return loaded
+
     def read_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> ChunkData:
-        """Read one chunk as the Iceberg table's current Arrow schema."""
-        identifier = table_identifier(self.config, self.config.table(table.key))
-        schema = arrow_schema_for(self.catalog.load_table(identifier))
+        """Read one chunk as the Iceberg table's Arrow schema (only merges evolve it, after the snapshot)."""
+        schema = self._schemas.get(table.key)
+        if schema is None:
+            schema = self._schemas[table.key] = arrow_schema_for(self._iceberg_table(table))
         return read_chunk(self.config.source, table, chunk, schema, snapshot_name)
 
-    def write_chunk(self, table: SourceTable, chunk: Chunk, data: ChunkData) -> int:
-        """Commit a chunk's rows to Iceberg, then record the chunk as done; returns the rows written."""
-        identifier = table_identifier(self.config, self.config.table(table.key))
+    def write_chunks(self, table: SourceTable, batch: list[tuple[Chunk, ChunkData]]) -> list[tuple[Chunk, int]]:
+        """Commit chunks of one table to Iceberg in one commit, then record each as done; returns each
+        chunk with its rows."""
         crash_point("snapshot.mid_chunk")
-        lock = self._commit_locks.setdefault(table.key, threading.Lock())
-        with lock:
-            snapshot_id = commit_chunk(self.catalog.load_table(identifier), chunk, data, table.primary_key)
+        with self._commit_locks.setdefault(table.key, threading.RLock()):
+            _, snapshot_id = commit_chunks(self._iceberg_table(table), batch, table.primary_key)
         crash_point("snapshot.after_chunk_commit")
-        self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
-        return data.rows.num_rows
+        for chunk, data in batch:
+            self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
+        return [(chunk, data.rows.num_rows) for chunk, data in batch]
 
     def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
         """Read one chunk and commit it to Iceberg; returns the rows written."""
-        return self.write_chunk(table, chunk, self.read_chunk(table, chunk, snapshot_name))
+        ((_, rows),) = self.write_chunks(table, [(chunk, self.read_chunk(table, chunk, snapshot_name))])
+        return rows
 
     def run_partitions(
         self, table_key: str, partition_keys: Iterable[str], config_path: str, holder_max_seconds: float = 6 * 3600
@@ -191,36 +207,45 @@ class SnapshotRunner:
     ) -> None:
         """Run chunks, adding to ``results``; the first failure cancels what has not started and is raised.
 
-        Up to ``snapshot.parallelism`` chunks are read at once, and writing a chunk to Iceberg
-        (Parquet encoding, commit) overlaps reading the next ones, so the source connection never
-        waits for the writer. At most twice ``parallelism`` chunks are held in memory.
+        Up to ``snapshot.parallelism`` chunks are read at once. Writing to Iceberg overlaps the reads:
+        a writer commits every chunk of a table read by then in one commit (group commit), so the
+        source connections never wait for the writer and commits do not multiply with chunks. At most
+        ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are held in memory.
         """
         parallelism = self.config.snapshot.parallelism
         mode = EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
-        held = threading.BoundedSemaphore(2 * parallelism)
+        held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
+        ready: dict[str, list[tuple[Chunk, ChunkData]]] = {}
+        ready_lock = threading.Lock()
         # Readers are shut down first (inner), so every chunk read is handed to a writer still running.
         with (
             ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-write") as writers,
             ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-read") as readers,
         ):
 
-            def write_and_release(table: SourceTable, chunk: Chunk, data: ChunkData) -> int:
-                try:
-                    return self.write_chunk(table, chunk, data)
-                finally:
-                    held.release()
+            def write_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
+                with self._commit_locks.setdefault(table.key, threading.RLock()):
+                    with ready_lock:
+                        batch = ready.pop(table.key, [])
+                    try:
+                        return self.write_chunks(table, batch) if batch else []
+                    finally:
+                        for _ in batch:
+                            held.release()
 
-            def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[int]:
+            def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[list[tuple[Chunk, int]]]:
                 held.acquire()
                 try:
                     data = self.read_chunk(table, chunk, snapshot_name)
                 except BaseException:
                     held.release()
                     raise
-                return writers.submit(write_and_release, table, chunk, data)
+                with ready_lock:
+                    ready.setdefault(table.key, []).append((chunk, data))
+                return writers.submit(write_ready, table)
 
-            reads = {readers.submit(read_then_hand_over, table, chunk): (table, chunk) for table, chunk in work}
-            writes: dict[Future[int], tuple[SourceTable, Chunk]] = {}
+            reads = {readers.submit(read_then_hand_over, table, chunk): table for table, chunk in work}
+            writes: set[Future[list[tuple[Chunk, int]]]] = set()
             pending: set[Future[Any]] = set(reads)
             try:
                 while pending:
@@ -228,20 +253,19 @@ class SnapshotRunner:
                     for future in done:
                         if future in reads:
                             write = future.result()
-                            writes[write] = reads[future]
+                            writes.add(write)
                             pending.add(write)
                             continue
-                        table, chunk = writes[future]
-                        rows = future.result()
-                        result = results[table.key]
-                        result.rows += rows
-                        result.chunks_run += 1
-                        result.read_modes.add(mode)
-                        if on_chunk:
-                            on_chunk(chunk, rows)
+                        for chunk, rows in future.result():
+                            result = results[chunk.table_name]
+                            result.rows += rows
+                            result.chunks_run += 1
+                            result.read_modes.add(mode)
+                            if on_chunk:
+                                on_chunk(chunk, rows)
             except BaseException:
                 # Reads not started are dropped; chunks already read are still written (they are
-                # valid progress, and each write releases its memory slot for the readers left).
+                # valid progress, and each write releases memory slots for the readers left).
                 for future in reads:
                     future.cancel()
                 raise
