@@ -128,6 +128,8 @@ def _merge_metadata(
         "schema_changes": MetadataValue.json(list(result.schema_changes)),
         "iceberg_snapshot_id": str(result.snapshot_id or ""),
         "merge_seconds": round(result.seconds, 3),
+        # Where the merge spent its time (read, fold, arrow, spark_start, spark_merge, commit).
+        **{f"merge_{phase}_seconds": round(seconds, 3) for phase, seconds in result.timings.items()},
     }
 
 
@@ -207,7 +209,8 @@ def iceberg_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_p
     def _merge(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource, spark: SparkResource) -> Iterator[Any]:
         with pg2iceberg.pipeline(spark_factory=spark.get_session) as pipeline:
             pipeline.validate()
-            result = pipeline.materializer().materialize_table(table.key)
+            # A second round applies what was staged during the first, cold merge (this run's new JVM).
+            result = pipeline.materializer().materialize_table(table.key, rounds=2)
             if result.waiting_for_snapshot:
                 raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
             context.log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag)

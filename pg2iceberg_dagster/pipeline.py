@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from pyiceberg.exceptions import NoSuchTableError
 
 from .config import PipelineConfig
 from .coordination.store import CoordinationStore
+from .errors import StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .materializer.merge import Materializer, MergeResult
@@ -39,6 +41,12 @@ class TableStatus:
     @property
     def lag(self) -> int:
         return self.log_head - self.mat_cursor
+
+
+def _nothing_after(store: CoordinationStore) -> str:
+    """What a failed flush left behind, for its error message."""
+    flushed = store.flushed_lsn()
+    return f"Nothing after flushed_lsn {format_lsn(flushed) if flushed else '-'} was registered or acknowledged"
 
 
 class Pipeline:
@@ -100,6 +108,11 @@ class Pipeline:
             flusher = Flusher(self.config, store, report.tables)
             try:
                 return flusher.run(stop, until_caught_up=until_caught_up, max_seconds=max_seconds, on_flush=on_flush)
+            except StagingError as exc:
+                raise StagingError(
+                    f"{exc}. {_nothing_after(store)}; once there is room (or the store is reachable again), "
+                    "`stream` again: it resumes there"
+                ) from exc
             finally:
                 flusher.close()
 
@@ -112,16 +125,25 @@ class Pipeline:
         return self.materializer().run_once(table_keys)
 
     def run(self, stop: threading.Event, interval: float | None = None) -> None:
-        """Everything in one process: snapshot, then stream in a thread while merging periodically."""
+        """Everything in one process: snapshot, then stream in a thread while merging.
+
+        A merge starts as soon as the flusher has staged something (and at least every ``interval``
+        seconds, default ``materialize.interval_seconds``), so a change waits for one flush interval
+        and at most one merge in progress, not for a polling period. The Spark session is created once
+        and lives as long as the process.
+        """
         self.snapshot()
         errors: list[BaseException] = []
+        staged = threading.Event()
 
         def stream() -> None:
             try:
-                self.stream(stop)
+                self.stream(stop, on_flush=lambda _stats: staged.set())
             except BaseException as exc:  # surfaced to the main loop
                 errors.append(exc)
                 stop.set()
+            finally:
+                staged.set()
 
         thread = threading.Thread(target=stream, name="flusher", daemon=True)
         thread.start()
@@ -129,10 +151,18 @@ class Pipeline:
         wait = interval if interval is not None else self.config.materialize.interval_seconds
         try:
             while not stop.is_set():
+                staged.clear()  # a flush during the merge below sets it again: merge right after
                 for result in materializer.run_once().values():
                     if result.batches:
-                        log.info("merged %s: %d changes, lag %d", result.table, result.changes, result.lag)
-                stop.wait(wait)
+                        log.info(
+                            "merged %s: %d changes in %.2f s (%s), lag %d",
+                            result.table,
+                            result.changes,
+                            result.seconds,
+                            ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
+                            result.lag,
+                        )
+                _wait_for_either(stop, staged, wait)
         finally:
             stop.set()
             thread.join()
@@ -201,3 +231,13 @@ class Pipeline:
             "flushed_lsn": format_lsn(flushed) if flushed is not None else None,
             "tables": tables,
         }
+
+
+def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: float) -> None:
+    """Return when ``stop`` or ``wake`` is set, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (stop.is_set() or wake.is_set()):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        wake.wait(min(remaining, 0.2))  # short slices: ``stop`` is set by a signal handler, not by us

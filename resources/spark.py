@@ -6,7 +6,7 @@ from typing import Any
 from dagster import ConfigurableResource, ResourceDependency
 from dagster_pyspark.resources import spark_session_from_config
 
-from pg2iceberg_dagster.materializer.spark import build_spark_session, spark_conf
+from pg2iceberg_dagster.materializer.spark import SHORT_LIVED_CONF, build_spark_session, py4j_quiet, spark_conf
 
 from .pipeline import Pg2IcebergResource
 
@@ -22,6 +22,9 @@ class SparkResource(ConfigurableResource):
         if config.spark.remote:
             return build_spark_session(config)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        session = spark_session_from_config({"spark.master": config.spark.master, **spark_conf(config)})
+        with py4j_quiet():  # the conf carries the catalog password; py4j's DEBUG log would show it
+            # A run's JVM serves one merge: short-lived settings unless the config's spark.conf says otherwise.
+            conf = {**SHORT_LIVED_CONF, "spark.master": config.spark.master, **spark_conf(config)}
+            session = spark_session_from_config(conf)
         session.sparkContext.setLogLevel("ERROR")
         return session

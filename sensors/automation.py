@@ -15,5 +15,7 @@ def merge_automation_sensor(translator: Pg2IcebergTranslator) -> AutomationCondi
         ),
         default_status=DefaultSensorStatus.RUNNING,
         use_user_code_server=True,  # the lag condition reads the coordination tables
-        minimum_interval_seconds=15,
+        # A merge run waits for the next evaluation: every 5 s rather than Dagster's 30 s default (the lag
+        # condition is two indexed queries per table).
+        minimum_interval_seconds=5,
     )

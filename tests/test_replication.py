@@ -23,7 +23,7 @@ CREATE TABLE public.all_types (
     c_numeric numeric(20, 4), c_numeric_any numeric, c_boolean boolean, c_text text, c_varchar varchar(30),
     c_char char(5), c_bytea bytea, c_date date, c_time time, c_timetz timetz, c_timestamp timestamp,
     c_timestamptz timestamptz, c_uuid uuid, c_json json, c_jsonb jsonb, c_int_array integer[],
-    c_text_array text[], c_enum mood, c_domain positive_int, c_interval interval, c_inet inet
+    c_text_array text[], c_enum mood, c_domain positive_int, c_interval interval, c_inet inet, c_uuid_array uuid[]
 );
 """
 
@@ -33,7 +33,7 @@ INSERT INTO public.all_types VALUES (
     true, 'héllo "quoted" \\ back', 'varchar', 'ab', '\\x00ff10', '2024-02-29', '23:59:59.999999', '10:00+02',
     '2024-01-01 12:34:56.789012', '2024-06-01 00:00:00+05:30', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11',
     '{"a": [1, 2]}', '{"b": {"c": null}}', ARRAY[1, NULL, 3], ARRAY['x', 'y z', NULL, '"q"'], 'happy', 7,
-    '1 day 02:03:04', '10.0.0.1/8'
+    '1 day 02:03:04', '10.0.0.1/8', '{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11,NULL}'
 )
 """
 

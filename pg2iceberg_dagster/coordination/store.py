@@ -7,6 +7,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import psycopg
+
 from ..config import PostgresConnection
 from ..errors import LeaseBusyError
 from ..source.connection import connect
@@ -335,6 +337,7 @@ class CoordinationStore:
         """Hold the single-writer lease of a table: a session advisory lock, released even on a crash."""
         lock_key = zlib.crc32(f"pg2iceberg:materialize:{group}:{table_name}".encode())
         lease_conn = connect(self.target)
+        acquired = None
         try:
             acquired = lease_conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key,)).fetchone()
             if not acquired or not acquired[0]:
@@ -353,4 +356,9 @@ class CoordinationStore:
             )
             yield
         finally:
+            if acquired and acquired[0]:
+                # Released now: on close the server drops the lock only when its backend has exited,
+                # after close() returns, and a merge that starts right away would find it still held.
+                with contextlib.suppress(psycopg.Error):
+                    lease_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
             lease_conn.close()

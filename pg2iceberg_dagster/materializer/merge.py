@@ -8,12 +8,13 @@ a newer change.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -29,10 +30,11 @@ from ..iceberg.catalog import evolve_schema, table_identifier
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
 from ..source.catalog import columns_added_with_default
 from ..source.connection import connect
-from ..staging.codec import DELETE, decode
+from ..staging.codec import DELETE, StagedRelation, decode
 from ..staging.store import ObjectStore
 from .fold import FoldResult, fold
 from .source_fill import fill_from_source
+from .vectorized import can_fold_vectorized, fold_vectorized, read_staged
 
 OP_COLUMN = "_op"
 UNCHANGED_COLUMN = "_unchanged"
@@ -55,10 +57,47 @@ class MergeResult:
     snapshot_id: int | None = None
     waiting_for_snapshot: bool = False
     seconds: float = 0.0
+    # Seconds per phase (see PHASES), summed over the batches: where a merge spends its time.
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def lag(self) -> int:
         return self.head - self.cursor
+
+
+# read: staged files fetched and decoded; fold: folded by key (plus TOAST fills and schema evolution);
+# arrow: typed Arrow rows handed to Spark; spark_start: the session created (first merge of a process);
+# spark_merge: the MERGE INTO (Iceberg commit included); commit: mat_cursor advanced.
+PHASES = ("read", "fold", "arrow", "spark_start", "spark_merge", "commit")
+
+
+@contextlib.contextmanager
+def timed_phase(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``timings[phase]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - started
+
+
+@dataclass
+class PreparedBatch:
+    """A batch read from the staged log, folded and typed: everything before the MERGE."""
+
+    identifier: str
+    table: Table
+    key: list[str]
+    rows: pa.Table
+    schema_changes: list[str]
+    changes: int
+    upserts: int
+    deletes: int
+    truncated: bool
+    # Some upsert leaves columns to the target's value (unchanged TOAST, a column dropped at the source).
+    has_unchanged: bool
+    # Folded by Arrow compute (see materializer.vectorized) rather than change by change.
+    vectorized: bool
 
 
 def spark_identifier(*parts: str) -> str:
@@ -70,12 +109,22 @@ def _spark_string(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def merge_statement(target: str, source_view: str, columns: list[str], key: list[str]) -> str:
-    """MERGE INTO: delete, update (unchanged TOAST columns keep the target's value) or insert per key."""
+def merge_statement(
+    target: str, source_view: str, columns: list[str], key: list[str], keep_unchanged: bool = True
+) -> str:
+    """MERGE INTO: delete, update (unchanged TOAST columns keep the target's value) or insert per key.
+
+    ``keep_unchanged=False`` gives the plain statement (every column from the source), for a source
+    without unchanged columns.
+    """
     on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
     assignments = ", ".join(
-        f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {_spark_string(c)}) "
-        f"THEN t.{spark_identifier(c)} ELSE s.{spark_identifier(c)} END"
+        (
+            f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {_spark_string(c)}) "
+            f"THEN t.{spark_identifier(c)} ELSE s.{spark_identifier(c)} END"
+            if keep_unchanged
+            else f"t.{spark_identifier(c)} = s.{spark_identifier(c)}"
+        )
         for c in columns
         if c not in key
     )
@@ -90,13 +139,32 @@ def merge_statement(target: str, source_view: str, columns: list[str], key: list
     )
 
 
+def _spark_type(arrow_type: pa.DataType) -> pa.DataType:
+    """Spark reads Iceberg uuid values as strings and cannot read Parquet's UUID logical type,
+    at the top level or inside a list (uuid[])."""
+    if isinstance(arrow_type, pa.BaseExtensionType):
+        return pa.string()
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        element = _spark_type(arrow_type.value_type)
+        if element != arrow_type.value_type:
+            return pa.list_(pa.field(arrow_type.value_field.name, element))
+    return arrow_type
+
+
+def _spark_value(value: Any) -> Any:
+    """A Python value as it goes into a column of :func:`_spark_type` (uuid -> its text)."""
+    if isinstance(value, list):
+        return [_spark_value(item) for item in value]
+    return None if value is None else str(value)
+
+
 def _spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
-    # Spark reads Iceberg uuid columns as strings and cannot read Parquet's UUID logical type.
-    fields = [
-        pa.field(f.name, pa.string()) if isinstance(f.type, pa.BaseExtensionType) else f.remove_metadata()
-        for f in schema
-    ]
-    return pa.schema(fields)
+    return pa.schema(
+        [
+            pa.field(f.name, _spark_type(f.type)) if _spark_type(f.type) != f.type else f.remove_metadata()
+            for f in schema
+        ]
+    )
 
 
 def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
@@ -104,17 +172,18 @@ def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
     iceberg_arrow = arrow_schema(table.schema())
     spark_schema = _spark_arrow_schema(iceberg_arrow)
     columns = [field.name for field in iceberg_arrow]
-    loaders_by_relation: dict[Any, dict[str, Callable[[bytes], Any]]] = {}
+    # Keyed by identity: hashing a relation (every column and type) once per row costs more than the fold.
+    loaders_by_relation: dict[int, dict[str, Callable[[bytes], Any]]] = {}
     values: dict[str, list[Any]] = {name: [] for name in columns}
     ops: list[str] = []
     unchanged: list[list[str]] = []
     for row in folded.rows.values():
         relation = row.relation
-        if relation is not None and relation not in loaders_by_relation:
-            loaders_by_relation[relation] = dict(
+        if relation is not None and id(relation) not in loaders_by_relation:
+            loaders_by_relation[id(relation)] = dict(
                 zip((c.name for c in relation.columns), text_loaders(relation.columns), strict=True)
             )
-        loaders = loaders_by_relation.get(relation, {})
+        loaders = loaders_by_relation.get(id(relation), {})
         missing = [name for name in columns if name not in row.data and name not in row.unchanged]
         for name in columns:
             text = row.data.get(name)
@@ -128,11 +197,11 @@ def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
         ops.append(row.op)
         unchanged.append(sorted((row.unchanged - row.filled.keys()) | (set(missing) if row.op != DELETE else set())))
     arrays = []
-    for field, spark_field in zip(iceberg_arrow, spark_schema, strict=True):
-        column_values = values[field.name]
-        if isinstance(field.type, pa.BaseExtensionType):
-            column_values = [None if v is None else str(v) for v in column_values]
-        arrays.append(arrow_column(column_values, spark_field.type, field.name))
+    for iceberg_field, spark_field in zip(iceberg_arrow, spark_schema, strict=True):
+        column_values = values[iceberg_field.name]
+        if spark_field.type != iceberg_field.type:
+            column_values = [None if v is None else _spark_value(v) for v in column_values]
+        arrays.append(arrow_column(column_values, spark_field.type, iceberg_field.name))
     arrays.append(pa.array(ops, pa.string()))
     arrays.append(pa.array(unchanged, pa.list_(pa.string())))
     schema = spark_schema.append(pa.field(OP_COLUMN, pa.string())).append(
@@ -194,8 +263,15 @@ class Materializer:
         """(cursor, head) of a table's staged log for this group."""
         return self.store.mat_cursor(self.group, table_key), self.store.log_head(table_key)
 
-    def materialize_table(self, table_key: str, max_batches: int | None = None) -> MergeResult:
-        """Apply the table's staged log up to its current head (or ``max_batches`` batches)."""
+    def materialize_table(self, table_key: str, max_batches: int | None = None, rounds: int = 1) -> MergeResult:
+        """Apply the table's staged log up to its current head (or ``max_batches`` batches).
+
+        The head is read once Spark is up, and what is staged after that waits for the next call: under
+        steady writes the loop would otherwise never end, and other tables would never get their turn.
+        ``rounds`` > 1 reads the head again after each round: a process that started a JVM for this
+        merge (a Dagster run) then also applies, warm and fast, what was staged while its first,
+        cold merge ran, instead of leaving it to the next run and its new JVM.
+        """
         started = time.monotonic()
         cursor, head = self.lag(table_key)
         result = MergeResult(table=table_key, cursor=cursor, head=head)
@@ -206,16 +282,96 @@ class Materializer:
         if cursor >= head:
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
-            while max_batches is None or result.batches < max_batches:
-                cursor = self.store.mat_cursor(self.group, table_key)
-                entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
-                if not entries:
-                    break
-                self._apply_batch(table_key, cursor, entries, result, state.source_fill_until_lsn)
-                result.batches += 1
+            self._start_spark(table_key, result.timings)
+            for _ in range(rounds):
+                head = self.store.log_head(table_key)
+                while max_batches is None or result.batches < max_batches:
+                    cursor = self.store.mat_cursor(self.group, table_key)
+                    if cursor >= head:
+                        break
+                    entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
+                    if not entries:
+                        break
+                    self._apply_batch(table_key, cursor, entries, result, state.source_fill_until_lsn)
+                    result.batches += 1
         result.cursor, result.head = self.lag(table_key)
         result.seconds = time.monotonic() - started
         return result
+
+    def _start_spark(self, table_key: str, timings: dict[str, float]) -> None:
+        """Create the session and resolve the table in it before the batch is read: a new JVM takes
+        seconds, and what is staged meanwhile then joins this merge instead of waiting for the next."""
+        if self._spark is not None:
+            return
+        with timed_phase(timings, "spark_start"):
+            spark = self._spark_factory()
+            identifier = table_identifier(self.config, self.config.table(table_key))
+            # Loads the catalog and Iceberg's table classes now (the first table access costs seconds).
+            spark.table(spark_identifier(self.config.iceberg.catalog.name, *identifier.split("."))).schema  # noqa: B018
+            self._spark = spark
+
+    def prepare_batch(
+        self,
+        table_key: str,
+        cursor: int,
+        entries: list[LogEntry],
+        source_fill_until_lsn: int | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> PreparedBatch:
+        """Read ``entries`` past ``cursor``, evolve the schema, fold them by key and type the rows."""
+        timings = {} if timings is None else timings
+        table_config = self.config.table(table_key)
+        identifier = table_identifier(self.config, table_config)
+        with timed_phase(timings, "read"):
+            table = self.catalog.load_table(identifier)
+            key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
+            files: list[tuple[bytes, int]] = []
+            staged = []
+            for entry in entries:
+                data = self.object_store.get(entry.path)
+                relation, changes = read_staged(data)
+                # An entry may start before the cursor only if it was half applied; never the case as
+                # the cursor always lands on an entry's end, but skip defensively by offset.
+                skip = max(0, cursor - entry.start_offset)
+                files.append((data, skip))
+                staged.append((relation, changes.slice(skip)))
+        with timed_phase(timings, "fold"):
+            relations: list[StagedRelation] = []
+            for relation, _ in staged:
+                if relation not in relations:
+                    relations.append(relation)
+            added = {c.name for relation in relations for c in relation.columns} - set(table.schema().column_names)
+            if added:
+                self._refuse_defaulted_columns(table_config, added)
+            schema_changes = []
+            for relation in relations:
+                schema_changes.extend(evolve_schema(table, relation.columns))
+            if schema_changes:
+                table = self.catalog.load_table(identifier)
+            if can_fold_vectorized(staged):
+                iceberg_arrow = arrow_schema(table.schema())
+                spark_schema = _spark_arrow_schema(iceberg_arrow)
+                fast = fold_vectorized(staged, key, iceberg_arrow, spark_schema, _spark_value)
+                return PreparedBatch(
+                    identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
+                    truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
+                )  # fmt: skip
+            batches = []
+            for data, skip in files:
+                relation, changes = decode(data)
+                batches.append((relation, changes[skip:]))
+            folded = fold(batches, key)
+            fill_moved_keys(folded, table, key)
+            if source_fill_until_lsn is not None and entries[0].first_lsn < source_fill_until_lsn:
+                with connect(self.config.source) as conn:
+                    fill_from_source(conn, table_config.schema_name, table_config.table_name, folded, key)
+        with timed_phase(timings, "arrow"):
+            rows = folded_arrow(folded, table)
+        deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
+        return PreparedBatch(
+            identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
+            truncated=folded.truncated, has_unchanged=True, vectorized=False,
+        )  # fmt: skip
 
     def _apply_batch(
         self,
@@ -225,61 +381,43 @@ class Materializer:
         result: MergeResult,
         source_fill_until_lsn: int | None,
     ) -> None:
-        table_config = self.config.table(table_key)
-        identifier = table_identifier(self.config, table_config)
-        table = self.catalog.load_table(identifier)
-        key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
-        batches = []
-        for entry in entries:
-            relation, changes = decode(self.object_store.get(entry.path))
-            # An entry may start before the cursor only if it was half applied; never the case as
-            # the cursor always lands on an entry's end, but skip defensively by offset.
-            skip = max(0, cursor - entry.start_offset)
-            batches.append((relation, changes[skip:]))
-        folded = fold(batches, key)
-        fill_moved_keys(folded, table, key)
-        if source_fill_until_lsn is not None and entries[0].first_lsn < source_fill_until_lsn:
-            with connect(self.config.source) as conn:
-                fill_from_source(conn, table_config.schema_name, table_config.table_name, folded, key)
-        added = {c.name for relation in folded.relations for c in relation.columns} - set(table.schema().column_names)
-        if added:
-            self._refuse_defaulted_columns(table_config, added)
-        changes = []
-        for relation in folded.relations:
-            changes.extend(evolve_schema(table, relation.columns))
-        if changes:
-            table = self.catalog.load_table(identifier)
-        rows = folded_arrow(folded, table)
+        timings = result.timings
+        prepared = self.prepare_batch(table_key, cursor, entries, source_fill_until_lsn, timings)
         spark = self.spark
-        target = spark_identifier(self.config.iceberg.catalog.name, *identifier.split("."))
-        if folded.truncated:
-            spark.sql(f"DELETE FROM {target}")
-        if rows.num_rows:
-            batch_key = f"_batches/{table_key}/{uuid.uuid4().hex}.parquet"
-            self.object_store.put(batch_key, _parquet_bytes(rows))
-            try:
-                view = f"pg2iceberg_batch_{threading.get_ident()}"
-                spark.read.parquet(self.object_store.uri(batch_key)).createOrReplaceTempView(view)
-                columns = [f.name for f in table.schema().fields]
-                spark.sql(merge_statement(target, view, columns, key))
-                spark.catalog.dropTempView(view)
-            finally:
-                self.object_store.delete(batch_key)
-        table = self.catalog.load_table(identifier)
-        snapshot = table.current_snapshot()
-        last = entries[-1]
-        crash_point("materializer.after_commit")
-        self.store.advance_mat_cursor(
-            self.group, table_key, last.end_offset, last.flushable_lsn, snapshot.snapshot_id if snapshot else None
-        )
-        deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
-        result.changes += folded.changes
-        result.deletes += deletes
-        result.upserts += len(folded.rows) - deletes
-        result.truncated = result.truncated or folded.truncated
-        result.schema_changes += tuple(changes)
+        target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier.split("."))
+        with timed_phase(timings, "spark_merge"):
+            if prepared.truncated:
+                spark.sql(f"DELETE FROM {target}")
+            if prepared.rows.num_rows:
+                self._merge_rows(spark, table_key, target, prepared)
+        with timed_phase(timings, "commit"):
+            table = self.catalog.load_table(prepared.identifier)
+            snapshot = table.current_snapshot()
+            last = entries[-1]
+            crash_point("materializer.after_commit")
+            self.store.advance_mat_cursor(
+                self.group, table_key, last.end_offset, last.flushable_lsn, snapshot.snapshot_id if snapshot else None
+            )
+        result.changes += prepared.changes
+        result.deletes += prepared.deletes
+        result.upserts += prepared.upserts
+        result.truncated = result.truncated or prepared.truncated
+        result.schema_changes += tuple(prepared.schema_changes)
         result.last_lsn = last.flushable_lsn
         result.snapshot_id = snapshot.snapshot_id if snapshot else None
+
+    def _merge_rows(self, spark: Any, table_key: str, target: str, prepared: PreparedBatch) -> None:
+        """MERGE the prepared rows into ``target`` (staged as a Parquet file Spark reads back)."""
+        batch_key = f"_batches/{table_key}/{uuid.uuid4().hex}.parquet"
+        self.object_store.put(batch_key, _parquet_bytes(prepared.rows))
+        try:
+            view = f"pg2iceberg_batch_{threading.get_ident()}"
+            spark.read.parquet(self.object_store.uri(batch_key)).createOrReplaceTempView(view)
+            columns = [f.name for f in prepared.table.schema().fields]
+            spark.sql(merge_statement(target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged))
+            spark.catalog.dropTempView(view)
+        finally:
+            self.object_store.delete(batch_key)
 
     def _refuse_defaulted_columns(self, table_config: TableConfig, added: set[str]) -> None:
         """Stop before a column added with a default reaches Iceberg: older rows hold the default in
