@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import psycopg
 import pytest
 import yaml
@@ -27,8 +26,7 @@ from pg2iceberg_dagster.errors import Pg2IcebergError, StagingError
 from pg2iceberg_dagster.staging.store import ObjectStore
 
 from .conftest import SourceDb, assert_mirrored, config_on, footprint, written_anything
-
-BUCKET = "pg2iceberg-staging"
+from .test_s3_staging import BUCKET, create_bucket
 
 
 def _write_config(config: PipelineConfig | dict[str, Any], directory: Path) -> str:
@@ -242,13 +240,7 @@ def test_unreachable_object_store_registers_nothing_and_loses_nothing(
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     try:
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing-secret",
-        ).create_bucket(Bucket=BUCKET)
+        create_bucket(endpoint)
         stats = source.pipeline(config).stream(until_caught_up=True)
         assert stats.rows_by_table == {"public.orders": expected}
         # Spark here has no S3 filesystem (no hadoop-aws jar): merge from a local copy of the bucket.

@@ -19,6 +19,17 @@ from .conftest import SourceDb
 BUCKET = "pg2iceberg-staging"
 
 
+def create_bucket(endpoint: str) -> None:
+    """Create the staging bucket on the moto server at ``endpoint``."""
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing-secret",
+    ).create_bucket(Bucket=BUCKET)
+
+
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     port = free_port()
@@ -27,13 +38,7 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("TEST_S3_KEY", "testing")
     monkeypatch.setenv("TEST_S3_SECRET", "testing-secret")
     endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing-secret",
-    ).create_bucket(Bucket=BUCKET)
+    create_bucket(endpoint)
     try:
         yield endpoint
     finally:

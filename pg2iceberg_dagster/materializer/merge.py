@@ -159,12 +159,12 @@ def _spark_value(value: Any) -> Any:
 
 
 def _spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
-    return pa.schema(
-        [
-            pa.field(f.name, _spark_type(f.type)) if _spark_type(f.type) != f.type else f.remove_metadata()
-            for f in schema
-        ]
-    )
+    fields = []
+    for arrow_field in schema:
+        spark_type = _spark_type(arrow_field.type)
+        same = spark_type == arrow_field.type
+        fields.append(arrow_field.remove_metadata() if same else pa.field(arrow_field.name, spark_type))
+    return pa.schema(fields)
 
 
 def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:

@@ -82,11 +82,9 @@ def committed_chunk_markers(table: Table) -> dict[str, str]:
     return committed
 
 
-def commit_chunks(
-    table: Table, chunks: list[tuple[Chunk, ChunkData]], primary_key: tuple[str, ...]
-) -> tuple[list[tuple[Chunk, ChunkData]], int | None]:
-    """Write the rows of chunks read in one mode to Iceberg in one commit; returns the chunks this
-    commit wrote (not those an earlier commit already holds) and the new snapshot id.
+def commit_chunks(table: Table, chunks: list[tuple[Chunk, ChunkData]], primary_key: tuple[str, ...]) -> int | None:
+    """Write the rows of chunks read in one mode to Iceberg in one commit (skipping those an earlier
+    commit already holds); returns the table's snapshot id afterwards.
 
     Under the exported snapshot chunks are disjoint, so rows are appended; the chunk markers in the
     same commit make a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
@@ -99,7 +97,7 @@ def commit_chunks(
         raise ValueError(f"chunks read in different modes cannot share a commit: {sorted(modes)}")
     (read_mode,) = modes
 
-    def commit() -> tuple[list[tuple[Chunk, ChunkData]], int | None]:
+    def commit() -> int | None:
         table.refresh()
         committed = committed_chunk_markers(table)
         todo = [(chunk, data) for chunk, data in chunks if chunk_marker(chunk) not in committed]
@@ -112,7 +110,7 @@ def commit_chunks(
             else:
                 table.upsert(rows, join_cols=list(primary_key), snapshot_properties=properties)
         snapshot = table.current_snapshot()
-        return todo, snapshot.snapshot_id if snapshot else None
+        return snapshot.snapshot_id if snapshot else None
 
     return commit_with_retry(commit)
 

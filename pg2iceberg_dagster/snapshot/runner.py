@@ -113,7 +113,7 @@ class SnapshotRunner:
         chunk with its rows."""
         crash_point("snapshot.mid_chunk")
         with self._commit_locks.setdefault(table.key, threading.RLock()):
-            _, snapshot_id = commit_chunks(self._iceberg_table(table), batch, table.primary_key)
+            snapshot_id = commit_chunks(self._iceberg_table(table), batch, table.primary_key)
         crash_point("snapshot.after_chunk_commit")
         for chunk, data in batch:
             self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
