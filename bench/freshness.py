@@ -47,7 +47,7 @@ from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.iceberg.catalog import open_catalog
 from pg2iceberg_dagster.pipeline import Pipeline
-from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML
+from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
 from .common import SOURCE_DB, Report, argument_parser, bench_cluster, bench_config, fill_table, percentile, work_dir
 
@@ -304,18 +304,7 @@ def measure_dagster(pg: EmbeddedPostgres, root: Path, args: Any) -> Measurement:
     home.mkdir(exist_ok=True)
     (home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)  # the quickstart's instance settings
     env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(path)}
-    command = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "dev",
-        "-w",
-        str(ROOT / "workspace.yaml"),
-        "-h",
-        "127.0.0.1",
-        "-p",
-        str(free_port()),
-    ]
+    command = dagster_dev_command(free_port())
     log = root / "dagster_dev.log"
     started = time.time()
     with child_process(command, log, env) as process:

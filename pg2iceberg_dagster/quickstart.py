@@ -32,6 +32,14 @@ CREATE TABLE IF NOT EXISTS public.orders (
 """
 
 
+WORKSPACE = Path(__file__).resolve().parent.parent / "workspace.yaml"
+
+
+def dagster_dev_command(port: int) -> list[str]:
+    """``dagster dev`` on this repository's workspace, its UI on 127.0.0.1:``port``."""
+    return [sys.executable, "-m", "dagster", "dev", "-w", str(WORKSPACE), "-h", "127.0.0.1", "-p", str(port)]
+
+
 def config_for(root: Path, port: int) -> dict:
     """The quickstart pipeline config (also a complete example of the format)."""
     return {
@@ -155,14 +163,13 @@ def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: 
     writer = threading.Thread(target=live_writes, args=(postgres.conninfo("app"), stop_writes, rows), daemon=True)
     writer.start()
     env = {**os.environ, "PG2ICEBERG_CONFIG": str(config_path.resolve()), "DAGSTER_HOME": str(dagster_home)}
-    workspace = Path(__file__).resolve().parent.parent / "workspace.yaml"
     print(f"live writes running; Dagster UI on http://127.0.0.1:{ui_port} (Ctrl-C stops)")
     # Its own session: dagster dev shuts down its process group. Ctrl-C or SIGTERM here is handed
     # on to it; PostgreSQL keeps running for the next session.
     dagster = subprocess.Popen(
-        [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(ui_port)],
+        dagster_dev_command(ui_port),
         env=env,
-        cwd=workspace.parent,
+        cwd=WORKSPACE.parent,
         start_new_session=True,
     )
     signal.signal(signal.SIGTERM, lambda *_: dagster.send_signal(signal.SIGINT))

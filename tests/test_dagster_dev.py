@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 from dagster import AssetKey, DagsterInstance
 
 from pg2iceberg_dagster.embedded import free_port
+from pg2iceberg_dagster.quickstart import dagster_dev_command
 
 from .conftest import SourceDb, assert_mirrored
 
@@ -37,18 +37,7 @@ def dagster_dev(source: SourceDb, tmp_path: Path) -> Iterator[tuple[Path, str]]:
     env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(config_path)}
     log = open(tmp_path / "dagster_dev.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dagster",
-            "dev",
-            "-w",
-            str(ROOT / "workspace.yaml"),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(free_port()),
-        ],
+        dagster_dev_command(free_port()),
         cwd=ROOT,
         env=env,
         stdout=log,
