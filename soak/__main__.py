@@ -2,13 +2,16 @@
 
 Starts its own PostgreSQL (temporary directory, free port) and one Spark session, runs each seed's
 scenario (see ``soak.runner``), prints one line per seed and writes the JSON report. Exit code 1 when
-any seed diverged or failed.
+any seed diverged or failed. Ctrl-C stops the run after writing the report of the seeds that finished;
+the seed it interrupted is left out (its processes, Spark's JVM included, got the signal too), and the
+exit code is 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -21,6 +24,18 @@ from pg2iceberg_dagster.materializer.spark import build_spark_session
 from .runner import Cluster, Profile, ScenarioResult, run_scenario, summarize
 
 CATALOG_DB = "iceberg_catalog"
+INTERRUPTED_EXIT = 130
+
+
+class _Interrupt:
+    """SIGINT handler that remembers the signal: a seed may turn it into a caught Spark error first."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profile = Profile(stream_writes=args.stream_writes)
     results: list[ScenarioResult] = []
+    interrupt = _Interrupt()
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        _run_seeds(args, profile, results, interrupt)
+    except KeyboardInterrupt:
+        interrupt.received = True
+    report = summarize(results)
+    Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "failures"}, indent=2))
+    print(f"report: {args.report} ({time.strftime('%Y-%m-%d %H:%M:%S')})")
+    if interrupt.received:
+        print(f"interrupted: the report covers the {len(results)} seeds that finished", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    return 0 if report["seeds_ok"] == report["seeds"] else 1
+
+
+def _run_seeds(
+    args: argparse.Namespace, profile: Profile, results: list[ScenarioResult], interrupt: _Interrupt
+) -> None:
+    """Run every seed on one PostgreSQL and one Spark session, appending to ``results`` as each ends."""
     with tempfile.TemporaryDirectory(prefix="pg2iceberg-soak-") as directory:
         root = Path(directory)
         pg = EmbeddedPostgres(root / "pg", free_port())
@@ -53,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for seed in range(args.first, args.first + args.seeds):
                     result = run_scenario(cluster, root / "runs", seed, spark, profile)
+                    if interrupt.received:
+                        return
                     results.append(result)
                     faults = ",".join(f"{k}x{v}" for k, v in sorted(result.faults.items())) or "-"
                     status = "ok" if result.ok else f"FAIL {result.error or result.divergences}"
@@ -63,13 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     Path(args.report).write_text(json.dumps(summarize(results), indent=2) + "\n")
             finally:
-                spark.stop()
+                if not interrupt.received:  # the signal reached the JVM too; stopping it would hang
+                    spark.stop()
         finally:
             pg.stop()
-    report = summarize(results)
-    print(json.dumps({k: v for k, v in report.items() if k != "failures"}, indent=2))
-    print(f"report: {args.report} ({time.strftime('%Y-%m-%d %H:%M:%S')})")
-    return 0 if report["seeds_ok"] == report["seeds"] else 1
 
 
 if __name__ == "__main__":
