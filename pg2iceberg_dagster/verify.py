@@ -10,7 +10,7 @@ import pyarrow as pa
 from psycopg import sql
 from pyiceberg.table import Table
 
-from .iceberg.types import arrow_column, arrow_schema, loader_oid
+from .iceberg.types import arrow_column, arrow_schema, iceberg_schema, loader_oid
 from .source.catalog import SourceTable
 
 
@@ -70,15 +70,30 @@ def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tu
 
 
 def compare_table(conn: psycopg.Connection, source: SourceTable, iceberg_table: Table, examples: int = 5) -> TableDiff:
-    """Compare a table read on ``conn`` (the caller's REPEATABLE READ transaction) with Iceberg."""
-    schema = arrow_schema(iceberg_table.schema())
+    """Compare a table read on ``conn`` (the caller's REPEATABLE READ transaction) with Iceberg.
+
+    A source column Iceberg does not have yet counts as NULL there: logical replication carries no
+    DDL, so a column added in the source reaches Iceberg with the first change to the table after
+    it. Until then every row has it NULL (columns added with a default are refused), and a value in
+    it is a difference.
+    """
+    iceberg_schema_arrow = arrow_schema(iceberg_table.schema())
+    not_yet_in_iceberg = [column for column in source.columns if column.name not in iceberg_schema_arrow.names]
+    schema = iceberg_schema_arrow
+    for arrow_field in arrow_schema(iceberg_schema(not_yet_in_iceberg, ())):
+        schema = schema.append(arrow_field)
     pg_rows = copy_rows(conn, source, schema)
     iceberg_rows = iceberg_table.scan().to_arrow()
+    if iceberg_rows.num_rows:
+        iceberg_rows = iceberg_rows.cast(iceberg_schema_arrow)
+        for column in not_yet_in_iceberg:
+            added = schema.field(column.name)
+            iceberg_rows = iceberg_rows.append_column(added, pa.nulls(iceberg_rows.num_rows, added.type))
+    else:
+        iceberg_rows = pg_rows.slice(0, 0)
     columns = [column.name for column in source.columns]
     pg, _ = _rows_by_key(pg_rows, source.primary_key, columns)
-    ice, duplicates = _rows_by_key(
-        iceberg_rows.cast(schema) if iceberg_rows.num_rows else pg_rows.slice(0, 0), source.primary_key, columns
-    )
+    ice, duplicates = _rows_by_key(iceberg_rows, source.primary_key, columns)
     diff = TableDiff(source.key, pg_rows.num_rows, iceberg_rows.num_rows, duplicate_keys=duplicates)
     only_pg = [k for k in pg if k not in ice]
     only_ice = [k for k in ice if k not in pg]
