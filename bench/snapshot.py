@@ -9,8 +9,8 @@ Starts its own PostgreSQL, fills a pgbench_accounts-like narrow table and a wide
 - the limit: raw ``COPY (SELECT * FROM t WHERE ctid range) TO STDOUT`` into /dev/null by ``psql``,
   with the table split into as many CTID ranges as there are workers, all running at once;
 - our snapshot (``Pipeline.snapshot``: slot with an exported snapshot, CTID chunks read in
-  parallel, Arrow, Parquet, one Iceberg commit per chunk on a file:// warehouse) with the same
-  number of workers;
+  parallel into Arrow, written as Parquet data files as they arrive, one Iceberg commit for every
+  chunk written by then, on a file:// warehouse) with the same number of workers;
 - dlt's ``sql_database`` source loading the same table into Iceberg, with its default pyarrow
   backend and with connectorx (in its own venv, ``.venv-peer``; ``--no-dlt`` skips it).
 
@@ -166,7 +166,9 @@ def main() -> None:
                     f"{dataset}, {workers} worker(s): raw COPY used {copy.machine_cpu:.1f} CPU-s in all; the snapshot "
                     f"used {run.machine_cpu:.1f} CPU-s, {run.client_cpu:.1f} of them in this process (binary COPY "
                     f"decoding into Arrow, Parquet encoding, Iceberg commits: "
-                    f"{run.client_cpu / rows * 1e6:.2f} us/row), on {CORES} cores"
+                    f"{run.client_cpu / rows * 1e6:.2f} us/row), on {CORES} cores; even with every core busy it "
+                    f"needs {run.machine_cpu / CORES:.2f} s, which caps the ratio at "
+                    f"{copy.seconds * CORES / run.machine_cpu:.2f}"
                 )
             if args.no_dlt:
                 continue

@@ -17,10 +17,32 @@ import psycopg
 import pytest
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
+from pg2iceberg_dagster.coordination.store import Chunk
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.snapshot.chunks import ChunkData, WrittenChunk
+from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
+from pg2iceberg_dagster.source.catalog import SourceTable
 
 CATALOG_DB = "iceberg_catalog"
+
+
+class Crash(Exception):
+    """Stands for the process dying at an injection point."""
+
+
+def crash_writing_chunks_from(monkeypatch: pytest.MonkeyPatch, first_failing: int) -> None:
+    """Chunks before index ``first_failing`` are written and committed; writing a later one dies with
+    Crash, until ``monkeypatch.undo()``. (Reads run ahead of commits, so a crash decided by chunk
+    index, not by timing, is what leaves exactly those chunks done.)"""
+    write = SnapshotRunner.write_chunk
+
+    def write_or_crash(self: SnapshotRunner, table: SourceTable, chunk: Chunk, data: ChunkData) -> WrittenChunk:
+        if chunk.index >= first_failing:
+            raise Crash
+        return write(self, table, chunk, data)
+
+    monkeypatch.setattr(SnapshotRunner, "write_chunk", write_or_crash)
 
 
 @pytest.fixture(scope="session")

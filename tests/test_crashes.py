@@ -15,13 +15,9 @@ from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.faults import CRASH_ENV
 from pg2iceberg_dagster.source.replication import ReplicationStream
 
-from .conftest import SourceDb, assert_mirrored, sync
+from .conftest import Crash, SourceDb, assert_mirrored, crash_writing_chunks_from, sync
 
 pytestmark = pytest.mark.usefixtures("spark")
-
-
-class Crash(Exception):
-    """Stands for the process dying at the injection point."""
 
 
 def crash_at(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> None:
@@ -38,22 +34,20 @@ def _orders(source: SourceDb, rows: int = 6000) -> None:
     source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, %s) g", (rows,))
 
 
-def test_crash_mid_snapshot_resumes_without_loss_or_duplicates(source: SourceDb) -> None:
+def test_crash_mid_snapshot_resumes_without_loss_or_duplicates(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Some chunks commit, the process dies (the export is lost), rows move pages, the rerun converges."""
     _orders(source)
     config = source.config(["public.orders"], snapshot={"chunk_pages": 4, "parallelism": 1})
     first = source.pipeline(config)
-    done: list[int] = []
-
-    def crash_after_two(chunk, rows) -> None:  # type: ignore[no-untyped-def]
-        done.append(chunk.index)
-        if len(done) == 2:
-            raise Crash
-
+    crash_writing_chunks_from(monkeypatch, 2)
     with pytest.raises(Crash):
-        first.snapshot(on_chunk=crash_after_two)
+        first.snapshot()
+    monkeypatch.undo()
     chunks = first.store.chunks("public.orders")
-    assert 2 <= sum(c.done for c in chunks) < len(chunks)
+    assert [c.index for c in chunks if c.done] == [0, 1]
+    assert len(chunks) > 2
     # Updates move rows to new pages, possibly into chunks not read yet: they would be read twice.
     source.execute("UPDATE public.orders SET v = v || '!' WHERE id % 3 = 0")
     source.execute("DELETE FROM public.orders WHERE id % 10 = 0")
@@ -124,7 +118,9 @@ def test_crash_between_iceberg_commit_and_cursor_update(source: SourceDb, monkey
     assert_mirrored(pipeline)
 
 
-def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(source: SourceDb) -> None:
+def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Export lost mid-snapshot; an update that leaves a TOASTed column alone moves its row into a chunk
     already read, so no chunk reads it and the WAL update lacks that column: it must come from the source.
 
@@ -136,12 +132,10 @@ def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(source: S
     source.execute("INSERT INTO public.docs SELECT g, 0, repeat(md5(g::text), 100) FROM generate_series(1, 2000) g")
     config = source.config(["public.docs"], snapshot={"chunk_pages": 4, "parallelism": 1})
     first = source.pipeline(config)
-
-    def crash_after_first(chunk, rows) -> None:  # type: ignore[no-untyped-def]
-        raise Crash
-
+    crash_writing_chunks_from(monkeypatch, 1)
     with pytest.raises(Crash):
-        first.snapshot(on_chunk=crash_after_first)
+        first.snapshot()
+    monkeypatch.undo()
     chunks = first.store.chunks("public.docs")
     boundary = min(c.start_page for c in chunks if not c.done)
     assert all(c.done == (c.start_page < boundary) for c in chunks)

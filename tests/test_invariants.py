@@ -16,11 +16,7 @@ from pg2iceberg_dagster.errors import StartupCheckError
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.snapshot.holder import hold_snapshot
 
-from .conftest import SourceDb, config_on, footprint
-
-
-class Crash(Exception):
-    """Stands for the process dying mid-snapshot."""
+from .conftest import Crash, SourceDb, config_on, crash_writing_chunks_from, footprint
 
 
 def _every_entry_point_refuses(source: SourceDb, config: PipelineConfig, match: str) -> None:
@@ -95,18 +91,17 @@ def test_table_removed_from_publication_is_refused(source: SourceDb) -> None:
     assert footprint(config)["publication"] == []
 
 
-def test_slot_dropped_mid_snapshot_is_refused(source: SourceDb) -> None:
+def test_slot_dropped_mid_snapshot_is_refused(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
     """Some chunks are in Iceberg, then the slot disappears: resuming would read the rest at a later
     point with no WAL from the consistent point. No entry point may create a new slot and carry on."""
     source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
     source.execute("INSERT INTO public.t SELECT g, repeat('x', 200) FROM generate_series(1, 3000) g")
     config = source.config(["public.t"], snapshot={"chunk_pages": 8, "parallelism": 1})
 
-    def crash_after_first(chunk: object, rows: int) -> None:
-        raise Crash
-
+    crash_writing_chunks_from(monkeypatch, 1)
     with pytest.raises(Crash):
-        source.pipeline(config).snapshot(on_chunk=crash_after_first)
+        source.pipeline(config).snapshot()
+    monkeypatch.undo()
     source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
     state = footprint(config)
     assert state["_pg2iceberg.tables"] and any(

@@ -18,6 +18,7 @@ from pg2iceberg_dagster.coordination.store import Chunk
 from pg2iceberg_dagster.errors import UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.snapshot.chunks import read_chunk
+from pg2iceberg_dagster.snapshot.reader import ArrowReader
 from pg2iceberg_dagster.source.catalog import SourceTable, TypeResolver, describe_table
 from pg2iceberg_dagster.verify import copy_rows
 
@@ -64,7 +65,8 @@ def test_binary_reader_agrees_with_the_text_path_on_awkward_values(source: Sourc
     table = _describe(source, "edge")
     schema = arrow_schema(iceberg_schema(table.columns, table.primary_key))
     config = source.config(["public.edge"])
-    binary = read_chunk(config.source, table, Chunk("public.edge", 0, 0, None), schema, None).rows
+    with ArrowReader(config.source) as reader:
+        binary = read_chunk(reader, table, Chunk("public.edge", 0, 0, None), schema, None).rows
     with psycopg.connect(source.conninfo) as conn:
         text = copy_rows(conn, table, schema)
     assert binary.schema == text.schema
@@ -85,5 +87,5 @@ def test_a_multidimensional_array_is_refused_not_flattened(source: SourceDb) -> 
     table = _describe(source, "grid")
     schema = arrow_schema(iceberg_schema(table.columns, table.primary_key))
     config = source.config(["public.grid"])
-    with pytest.raises(UnsupportedTypeError, match="cells: a 2-dimensional array"):
-        read_chunk(config.source, table, Chunk("public.grid", 0, 0, None), schema, None)
+    with ArrowReader(config.source) as reader, pytest.raises(UnsupportedTypeError, match="cells: a 2-dimensional"):
+        read_chunk(reader, table, Chunk("public.grid", 0, 0, None), schema, None)

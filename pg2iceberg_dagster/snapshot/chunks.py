@@ -1,4 +1,5 @@
-"""Planning CTID page chunks, reading one chunk, and committing it to Iceberg exactly once."""
+"""Planning CTID page chunks, reading one chunk, writing its data files, and committing them to
+Iceberg exactly once."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from psycopg import sql
+from pyiceberg.io.pyarrow import _dataframe_to_data_files  # pyiceberg is pinned; append() writes with it too
+from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
-from ..config import PostgresConnection
 from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceTable
-from .reader import conform, read_arrow, select_expressions
+from .reader import ArrowReader, conform, select_expressions
 
 MIN_CTID_RANGE_VERSION = 140000
 CHUNK_MARKER = "pg2iceberg.snapshot-chunk"
@@ -56,10 +58,10 @@ class ChunkData:
 
 
 def read_chunk(
-    target: PostgresConnection, source: SourceTable, chunk: Chunk, schema: pa.Schema, snapshot_name: str | None
+    reader: ArrowReader, source: SourceTable, chunk: Chunk, schema: pa.Schema, snapshot_name: str | None
 ) -> ChunkData:
     """Read a chunk as ``schema`` under the exported snapshot (or plain REPEATABLE READ when there is none)."""
-    decoded = read_arrow(target, chunk_query(source, chunk), snapshot_name)
+    decoded = reader.read(chunk_query(source, chunk), snapshot_name)
     return ChunkData(
         rows=conform(decoded, source, schema), read_mode=EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
     )
@@ -82,17 +84,44 @@ def committed_chunk_markers(table: Table) -> dict[str, str]:
     return committed
 
 
-def commit_chunks(table: Table, chunks: list[tuple[Chunk, ChunkData]], primary_key: tuple[str, ...]) -> int | None:
-    """Write the rows of chunks read in one mode to Iceberg in one commit (skipping those an earlier
+@dataclass(frozen=True)
+class WrittenChunk:
+    """A chunk ready to commit: its Parquet data files (exported snapshot), or its rows (REPEATABLE
+    READ, upserted at commit)."""
+
+    chunk: Chunk
+    read_mode: str
+    rows: int
+    files: tuple[DataFile, ...] = ()
+    pending_rows: pa.Table | None = None
+
+
+def write_chunk(table: Table, chunk: Chunk, data: ChunkData) -> WrittenChunk:
+    """Write an exported-snapshot chunk's rows as data files of ``table`` (in no snapshot until
+    :func:`commit_chunks`); a REPEATABLE READ chunk keeps its rows for the upsert.
+
+    Writing files apart from committing lets the chunk's memory go as soon as it is encoded, and
+    lets one commit take every chunk written meanwhile.
+    """
+    if data.read_mode != EXPORTED_SNAPSHOT:
+        return WrittenChunk(chunk, data.read_mode, data.rows.num_rows, pending_rows=data.rows)
+    if data.rows.num_rows == 0:
+        return WrittenChunk(chunk, data.read_mode, 0)
+    files = tuple(_dataframe_to_data_files(table_metadata=table.metadata, df=data.rows, io=table.io))
+    return WrittenChunk(chunk, data.read_mode, data.rows.num_rows, files=files)
+
+
+def commit_chunks(table: Table, chunks: list[WrittenChunk], primary_key: tuple[str, ...]) -> int | None:
+    """Commit written chunks read in one mode to Iceberg in one commit (skipping those an earlier
     commit already holds); returns the table's snapshot id afterwards.
 
-    Under the exported snapshot chunks are disjoint, so rows are appended; the chunk markers in the
-    same commit make a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
+    Under the exported snapshot chunks are disjoint, so their files are appended; the chunk markers in
+    the same commit make a re-run after a crash a no-op. Under plain REPEATABLE READ a row may already
     be there (it moved pages since an earlier chunk read it), so rows are upserted by primary key.
     One commit for several chunks: each commit rewrites the table metadata, so committing chunks as
     they pile up costs a fraction of committing each.
     """
-    modes = {data.read_mode for _, data in chunks}
+    modes = {written.read_mode for written in chunks}
     if len(modes) != 1:
         raise ValueError(f"chunks read in different modes cannot share a commit: {sorted(modes)}")
     (read_mode,) = modes
@@ -100,15 +129,24 @@ def commit_chunks(table: Table, chunks: list[tuple[Chunk, ChunkData]], primary_k
     def commit() -> int | None:
         table.refresh()
         committed = committed_chunk_markers(table)
-        todo = [(chunk, data) for chunk, data in chunks if chunk_marker(chunk) not in committed]
+        todo = [written for written in chunks if chunk_marker(written.chunk) not in committed]
         if todo:
-            markers = json.dumps([chunk_marker(chunk) for chunk, _ in todo])
+            markers = json.dumps([chunk_marker(written.chunk) for written in todo])
             properties = {CHUNK_MARKERS: markers, CHUNK_READ_MODE: read_mode}
-            rows = pa.concat_tables([data.rows for _, data in todo])
-            if read_mode == EXPORTED_SNAPSHOT or rows.num_rows == 0:
-                table.append(rows, snapshot_properties=properties)
+            if read_mode == EXPORTED_SNAPSHOT:
+                with (
+                    table.transaction() as transaction,
+                    transaction.update_snapshot(snapshot_properties=properties).fast_append() as append,
+                ):
+                    for written in todo:
+                        for data_file in written.files:
+                            append.append_data_file(data_file)
             else:
-                table.upsert(rows, join_cols=list(primary_key), snapshot_properties=properties)
+                rows = pa.concat_tables([written.pending_rows for written in todo if written.pending_rows is not None])
+                if rows.num_rows:
+                    table.upsert(rows, join_cols=list(primary_key), snapshot_properties=properties)
+                else:
+                    table.append(rows, snapshot_properties=properties)
         snapshot = table.current_snapshot()
         return snapshot.snapshot_id if snapshot else None
 

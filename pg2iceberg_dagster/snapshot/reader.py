@@ -18,6 +18,8 @@ dimensions rides along and such a value is refused, as the WAL path refuses it.
 
 from __future__ import annotations
 
+import threading
+
 import adbc_driver_manager
 import adbc_driver_postgresql.dbapi as adbc
 import pyarrow as pa
@@ -125,21 +127,55 @@ def conform(decoded: pa.Table, source: SourceTable, schema: pa.Schema) -> pa.Tab
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def read_arrow(target: PostgresConnection, query: sql.Composable, snapshot_name: str | None) -> pa.Table:
-    """Run ``query`` in a READ ONLY REPEATABLE READ transaction (importing ``snapshot_name`` when
-    given) and return its rows as Arrow, decoded by the ADBC driver."""
-    conninfo = target.conninfo(options=SESSION_OPTIONS)
-    try:
-        with adbc.connect(conninfo) as conn, conn.cursor() as cursor:
-            # The connection starts a transaction at once: these are its first statements.
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            if snapshot_name:
-                cursor.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)).as_string())
-            cursor.execute(query.as_string())
-            rows = cursor.fetch_arrow_table()
-            conn.rollback()
-            return rows
-    except adbc_driver_manager.Error as exc:
-        # libpq's message names the server, never the password; keep only its first line.
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise Pg2IcebergError(f"reading a snapshot chunk from {target.describe()} failed: {reason}") from None
+class ArrowReader:
+    """Runs chunk queries into Arrow over one ADBC database handle, from any number of threads.
+
+    Setting up the driver's database handle loads the server's type catalog (about 50 ms of CPU and
+    a round of queries), so one handle serves every chunk of a snapshot; each read still has its own
+    connection and transaction. Close it when the snapshot is done.
+    """
+
+    def __init__(self, target: PostgresConnection) -> None:
+        self.target = target
+        self._template: adbc.Connection | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ArrowReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _connection(self) -> adbc.Connection:
+        """A new connection sharing the database handle (made on first use)."""
+        with self._lock:
+            if self._template is None:
+                self._template = adbc.connect(self.target.conninfo(options=SESSION_OPTIONS))
+            return self._template.adbc_clone()
+
+    def read(self, query: sql.Composable, snapshot_name: str | None) -> pa.Table:
+        """Run ``query`` in a READ ONLY REPEATABLE READ transaction (importing ``snapshot_name`` when
+        given) and return its rows as Arrow, decoded by the ADBC driver."""
+        try:
+            with self._connection() as conn, conn.cursor() as cursor:
+                # The connection starts a transaction at once: these are its first statements.
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                if snapshot_name:
+                    cursor.execute(
+                        sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)).as_string()
+                    )
+                cursor.execute(query.as_string())
+                rows = cursor.fetch_arrow_table()
+                conn.rollback()
+                return rows
+        except adbc_driver_manager.Error as exc:
+            # libpq's message names the server, never the password; keep only its first line.
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise Pg2IcebergError(f"reading a snapshot chunk from {self.target.describe()} failed: {reason}") from None
+
+    def close(self) -> None:
+        """Close the database handle (connections of reads in progress keep it until they end)."""
+        with self._lock:
+            if self._template is not None:
+                self._template.close()
+                self._template = None

@@ -32,14 +32,17 @@ from .chunks import (
     EXPORTED_SNAPSHOT,
     REPEATABLE_READ,
     ChunkData,
+    WrittenChunk,
     arrow_schema_for,
     chunk_marker,
     commit_chunks,
     committed_chunk_markers,
     plan_chunks,
     read_chunk,
+    write_chunk,
 )
 from .holder import SnapshotHolder, holder_lock_key, spawn_holder, wait_for_advertised_snapshot
+from .reader import ArrowReader
 
 ChunkCallback = Callable[[Chunk, int], None]
 CHUNKS_IN_MEMORY_PER_WORKER = 4
@@ -101,27 +104,33 @@ class SnapshotRunner:
             )
         return loaded
 
-    def read_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> ChunkData:
+    def read_chunk(self, reader: ArrowReader, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> ChunkData:
         """Read one chunk as the Iceberg table's Arrow schema (only merges evolve it, after the snapshot)."""
         schema = self._schemas.get(table.key)
         if schema is None:
             schema = self._schemas[table.key] = arrow_schema_for(self._iceberg_table(table))
-        return read_chunk(self.config.source, table, chunk, schema, snapshot_name)
+        return read_chunk(reader, table, chunk, schema, snapshot_name)
 
-    def write_chunks(self, table: SourceTable, batch: list[tuple[Chunk, ChunkData]]) -> list[tuple[Chunk, int]]:
-        """Commit chunks of one table to Iceberg in one commit, then record each as done; returns each
-        chunk with its rows."""
+    def write_chunk(self, table: SourceTable, chunk: Chunk, data: ChunkData) -> WrittenChunk:
+        """Write a chunk's data files (nothing is committed yet)."""
+        return write_chunk(self._iceberg_table(table), chunk, data)
+
+    def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk]) -> list[tuple[Chunk, int]]:
+        """Commit written chunks of one table to Iceberg in one commit, then record each as done;
+        returns each chunk with its rows."""
         crash_point("snapshot.mid_chunk")
         with self._commit_locks.setdefault(table.key, threading.RLock()):
             snapshot_id = commit_chunks(self._iceberg_table(table), batch, table.primary_key)
         crash_point("snapshot.after_chunk_commit")
-        for chunk, data in batch:
-            self.store.mark_chunk_done(table.key, chunk.index, data.rows.num_rows, data.read_mode, snapshot_id)
-        return [(chunk, data.rows.num_rows) for chunk, data in batch]
+        for written in batch:
+            self.store.mark_chunk_done(table.key, written.chunk.index, written.rows, written.read_mode, snapshot_id)
+        return [(written.chunk, written.rows) for written in batch]
 
     def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
         """Read one chunk and commit it to Iceberg; returns the rows written."""
-        ((_, rows),) = self.write_chunks(table, [(chunk, self.read_chunk(table, chunk, snapshot_name))])
+        with ArrowReader(self.config.source) as reader:
+            data = self.read_chunk(reader, table, chunk, snapshot_name)
+        ((_, rows),) = self.commit_chunks(table, [self.write_chunk(table, chunk, data)])
         return rows
 
     def run_partitions(
@@ -207,56 +216,69 @@ class SnapshotRunner:
     ) -> None:
         """Run chunks, adding to ``results``; the first failure cancels what has not started and is raised.
 
-        Up to ``snapshot.parallelism`` chunks are read at once. Writing to Iceberg overlaps the reads:
-        a writer commits every chunk of a table read by then in one commit (group commit), so the
-        source connections never wait for the writer and commits do not multiply with chunks. At most
-        ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are held in memory.
+        Three stages overlap: up to ``snapshot.parallelism`` chunks are read at once, as many are
+        written as data files, and one committer commits every chunk of a table written by then in
+        one Iceberg commit (group commit), so neither the source connections nor the file writers
+        wait for commits, and commits do not multiply with chunks. At most
+        ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are held in memory (a chunk read
+        under REPEATABLE READ stays there until its upsert commits).
         """
         parallelism = self.config.snapshot.parallelism
         mode = EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
         held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
-        ready: dict[str, list[tuple[Chunk, ChunkData]]] = {}
+        ready: dict[str, list[WrittenChunk]] = {}
         ready_lock = threading.Lock()
-        # Readers are shut down first (inner), so every chunk read is handed to a writer still running.
+        # Inner pools shut down first, so every chunk is handed to a stage still running.
         with (
+            ArrowReader(self.config.source) as reader,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-commit") as committers,
             ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-write") as writers,
             ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-read") as readers,
         ):
 
-            def write_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
+            def commit_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
                 with self._commit_locks.setdefault(table.key, threading.RLock()):
                     with ready_lock:
                         batch = ready.pop(table.key, [])
                     try:
-                        return self.write_chunks(table, batch) if batch else []
+                        return self.commit_chunks(table, batch) if batch else []
                     finally:
-                        for _ in batch:
-                            held.release()
+                        for written in batch:
+                            if written.pending_rows is not None:
+                                held.release()
 
-            def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[list[tuple[Chunk, int]]]:
-                held.acquire()
+            def write_then_hand_over(table: SourceTable, chunk: Chunk, data: ChunkData) -> Future[Any]:
                 try:
-                    data = self.read_chunk(table, chunk, snapshot_name)
+                    written = self.write_chunk(table, chunk, data)
                 except BaseException:
                     held.release()
                     raise
+                if written.pending_rows is None:
+                    held.release()
                 with ready_lock:
-                    ready.setdefault(table.key, []).append((chunk, data))
-                return writers.submit(write_ready, table)
+                    ready.setdefault(table.key, []).append(written)
+                return committers.submit(commit_ready, table)
 
-            reads = {readers.submit(read_then_hand_over, table, chunk): table for table, chunk in work}
-            writes: set[Future[list[tuple[Chunk, int]]]] = set()
+            def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[Any]:
+                held.acquire()
+                try:
+                    data = self.read_chunk(reader, table, chunk, snapshot_name)
+                except BaseException:
+                    held.release()
+                    raise
+                return writers.submit(write_then_hand_over, table, chunk, data)
+
+            reads = [readers.submit(read_then_hand_over, table, chunk) for table, chunk in work]
             pending: set[Future[Any]] = set(reads)
             try:
                 while pending:
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for future in done:
-                        if future in reads:
-                            write = future.result()
-                            writes.add(write)
-                            pending.add(write)
+                        outcome = future.result()
+                        if isinstance(outcome, Future):  # a read or a write handed its chunk on
+                            pending.add(outcome)
                             continue
-                        for chunk, rows in future.result():
+                        for chunk, rows in outcome:
                             result = results[chunk.table_name]
                             result.rows += rows
                             result.chunks_run += 1
@@ -264,8 +286,8 @@ class SnapshotRunner:
                             if on_chunk:
                                 on_chunk(chunk, rows)
             except BaseException:
-                # Reads not started are dropped; chunks already read are still written (they are
-                # valid progress, and each write releases memory slots for the readers left).
+                # Reads not started are dropped; chunks already read are still written and committed
+                # (they are valid progress, and each frees memory for the readers left).
                 for future in reads:
                     future.cancel()
                 raise
