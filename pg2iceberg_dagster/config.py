@@ -182,13 +182,24 @@ class CatalogConfig(_Strict):
         return self
 
 
+# Properties of the tables we create; the config's own are laid over them. A 64 KiB dictionary page
+# keeps dictionaries for low-cardinality columns but gives up early on the others, where building a
+# dictionary doubled Parquet encoding time and, under zstd, made files larger (bench/snapshot.py).
+DEFAULT_TABLE_PROPERTIES = {"format-version": "2", "write.parquet.dict-size-bytes": "65536"}
+
+
 class IcebergConfig(_Strict):
     """Iceberg catalog, warehouse and how source schemas map to namespaces."""
 
     catalog: CatalogConfig = CatalogConfig()
     warehouse: str = "file:///tmp/pg2iceberg/warehouse"
     namespace: str = "{schema}"
-    table_properties: dict[str, str] = {"format-version": "2"}
+    table_properties: dict[str, str] = DEFAULT_TABLE_PROPERTIES
+
+    @field_validator("table_properties")
+    @classmethod
+    def _over_defaults(cls, value: dict[str, str]) -> dict[str, str]:
+        return {**DEFAULT_TABLE_PROPERTIES, **value}
 
     @field_validator("namespace")
     @classmethod

@@ -68,6 +68,20 @@ def test_quoted_table_name_and_overrides() -> None:
     assert config.iceberg_identifier(table) == ("mirror_My Schema", "orders")
 
 
+def test_table_properties_are_laid_over_the_defaults() -> None:
+    """Setting one table property keeps the others' defaults (format version 2, small dictionary pages)."""
+    assert parse_config(copy.deepcopy(MINIMAL)).iceberg.table_properties == {
+        "format-version": "2",
+        "write.parquet.dict-size-bytes": "65536",
+    }
+    config = parse_config(config_with(iceberg={"table_properties": {"write.parquet.compression-codec": "snappy"}}))
+    assert config.iceberg.table_properties == {
+        "format-version": "2",
+        "write.parquet.dict-size-bytes": "65536",
+        "write.parquet.compression-codec": "snappy",
+    }
+
+
 def test_unknown_field_names_dotted_path() -> None:
     """A misspelled field is reported with its dotted path as an unknown field."""
     message = config_error(config_with(source={"dbname": "app", "hots": "db.example"}))

@@ -32,17 +32,19 @@ CREATE TABLE public.edge (
     c_short short_text, c_numeric numeric(12, 3), c_numeric_array numeric(8, 2)[], c_real_array real[],
     c_enum_array mood[], c_uuid_array uuid[], c_ts_array timestamptz[], c_bool_array boolean[],
     c_bytea_array bytea[], c_interval interval, c_json json, c_money money, c_bit bit(4), c_int_range int4range,
-    c_time time, c_empty_array int[], c_inet inet, c_inet_array inet[], c_cidr cidr
+    c_time time, c_empty_array int[], c_inet inet, c_inet_array inet[], c_cidr cidr, c_jsonb jsonb,
+    c_interval_array interval[]
 );
 INSERT INTO public.edge VALUES
     (1, 4000000000, 248413.11, 'NaN', 'ab', 'a name', 'dom', -0.001, '{1.50,NULL,-2.25}', '{0.1,-Infinity}',
      '{ok,sad}', '{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}', '{"2024-06-01 00:00:00.000001+05:30"}', '{t,f,NULL}',
      '{"\\\\x00ff",NULL}', '-1 year 2 mons 00:00:00.5', '{"k": [1, "two"]}', 12.34, B'1010', '[1,10)',
-     '24:00:00', '{}', '10.1.2.3', '{10.1.2.3,NULL,::1/128,10.0.0.0/8}', '10.0.0.0/8'),
+     '24:00:00', '{}', '10.1.2.3', '{10.1.2.3,NULL,::1/128,10.0.0.0/8}', '10.0.0.0/8',
+     '{"b": 1.50, "a": [null, "é"]}', '{"1 day",NULL,"-00:00:01"}'),
     (2, 0, 'Infinity', -0.0, NULL, '', NULL, 99999999.999, '{}', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-     NULL, NULL, 'empty', NULL, NULL, NULL, NULL, NULL),
+     NULL, NULL, 'empty', NULL, NULL, NULL, NULL, NULL, NULL, NULL),
     (3, NULL, NULL, 1e-308, '      ', 'x', 'tab	nl', NULL, NULL, '{}', '{}', '{}', '{}', '{}', '{}', '0',
-     'null', -0.01, B'0000', '(,)', '00:00', NULL, '::1', '{}', '::/0');
+     'null', -0.01, B'0000', '(,)', '00:00', NULL, '::1', '{}', '::/0', 'null', '{}');
 """
 
 
@@ -79,6 +81,9 @@ def test_binary_reader_agrees_with_the_text_path_on_awkward_values(source: Sourc
     assert by_id[3]["c_short"] == "tab\tnl"
     assert by_id[1]["c_inet"] == "10.1.2.3"  # the output function's form (inet::text says 10.1.2.3/32)
     assert by_id[1]["c_inet_array"] == ["10.1.2.3", None, "::1", "10.0.0.0/8"]
+    assert by_id[1]["c_jsonb"] == '{"a": [null, "é"], "b": 1.50}'  # jsonb's own form: keys sorted
+    assert by_id[1]["c_interval_array"] == ["1 day", None, "-00:00:01"]
+    assert by_id[2]["c_jsonb"] is None and by_id[3]["c_jsonb"] == "null"  # SQL NULL is not JSON null
 
 
 def test_a_multidimensional_array_is_refused_not_flattened(source: SourceDb) -> None:

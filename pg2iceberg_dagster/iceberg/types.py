@@ -26,8 +26,9 @@ numeric without precision              string (exact: no fixed scale fits)
 
 Refused: numeric with precision above 38 or a negative scale, and pseudo types.
 
-Values of every type travel as PostgreSQL's text form (COPY text rows in the snapshot, pgoutput
-text tuples in the WAL) and are parsed by psycopg's text loaders, so both paths convert alike.
+The WAL path (pgoutput text tuples) and ``verify`` (COPY text rows) parse PostgreSQL's text form with
+psycopg's text loaders. The snapshot reads binary COPY through ADBC, and the text form for the types
+stored as strings (``snapshot/reader.py``); a test holds both decodings equal.
 """
 
 from __future__ import annotations

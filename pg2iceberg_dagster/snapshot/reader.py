@@ -9,7 +9,8 @@ then cast to the Iceberg table's Arrow type:
   one-dimensional arrays of them) travel in binary and keep their exact values (a ``real`` stays
   single precision, also when Iceberg widened the column to double);
 - ``numeric(p,s)`` and every type Iceberg stores as a string travel as the text their type's output
-  function writes (element by element for arrays), the same text the WAL path parses;
+  function writes (element by element for arrays), the same text the WAL path parses: a plain
+  ``::text`` cast where PostgreSQL has no cast function to text, ``format('%s', ...)`` elsewhere;
 - ``oid`` is read as ``bigint`` (the driver would read it as a signed 32-bit number).
 
 The driver flattens multi-dimensional arrays, which Iceberg's ``list`` cannot hold; the number of
@@ -48,6 +49,21 @@ _BINARY_KINDS = {
     "timestamptz",
     "uuid",
 }
+# Built-in types with no cast function to text: for them ``::text`` is the output function, and a
+# cheaper one for the server than format('%s') with its NULL guard.
+_TEXT_CAST_IS_OUTPUT = {
+    "numeric",
+    "json",
+    "jsonb",
+    "interval",
+    "time",
+    "timetz",
+    "money",
+    "macaddr",
+    "macaddr8",
+    "bit",
+    "varbit",
+}
 _NDIMS_PREFIX = "__pg2iceberg_ndims_"
 
 
@@ -66,6 +82,8 @@ def _select_expression(name: sql.Identifier, pg_type: PgType) -> sql.Composable:
             return sql.SQL("{}::{}[]").format(name, sql.Identifier("pg_catalog", element.kind))
         if element.kind == "oid":
             return sql.SQL("{}::pg_catalog.int8[]").format(name)
+        if element.kind in _TEXT_CAST_IS_OUTPUT:
+            return sql.SQL("{}::pg_catalog.text[]").format(name)
         # Element by element, in order, NULL elements kept.
         return sql.SQL(
             "CASE WHEN {0} IS NULL THEN NULL ELSE ARRAY(SELECT {1} FROM pg_catalog.unnest({0}) "
@@ -76,6 +94,8 @@ def _select_expression(name: sql.Identifier, pg_type: PgType) -> sql.Composable:
         return sql.SQL("{}::{}").format(name, sql.Identifier("pg_catalog", pg_type.kind))
     if pg_type.kind == "oid":
         return sql.SQL("{}::pg_catalog.int8").format(name)
+    if pg_type.kind in _TEXT_CAST_IS_OUTPUT:
+        return sql.SQL("{}::pg_catalog.text").format(name)
     return _output_text(name)
 
 
