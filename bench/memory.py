@@ -5,8 +5,8 @@
 On a throwaway cluster, with the pipeline's CLI as a child process (its own peak RSS comes from wait4):
 
 1. the snapshot: ``pg2iceberg-dagster snapshot`` of a wide table of ``--snapshot-rows`` rows (and of an
-   empty narrow one): CTID chunks are read and committed one at a time, so its memory follows the
-   chunk size and the parallelism, not the table;
+   empty narrow one): a chunk is in memory from its read until its data files are written, at most
+   four per worker, so its memory follows the chunk size and the parallelism, not the table;
 2. the flusher: ONE transaction inserts ``--small`` rows into the narrow table (a single
    ``INSERT ... SELECT generate_series``), then ``pg2iceberg-dagster stream --until-caught-up`` stages
    it; then the same with ONE transaction of ``--large`` rows. Past ``flush.txn_memory_bytes`` the open
