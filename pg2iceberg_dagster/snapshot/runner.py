@@ -10,6 +10,8 @@ point converges the table.
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -46,6 +48,9 @@ from .reader import ArrowReader
 
 ChunkCallback = Callable[[Chunk, int], None]
 CHUNKS_IN_MEMORY_PER_WORKER = 4
+# While more chunks of a table are coming, its commits are at least this far apart: each commit
+# rewrites the table metadata (~25 ms of CPU, growing with snapshots), and chunks arrive faster.
+MIN_COMMIT_INTERVAL_SECONDS = 1.0
 
 
 @dataclass
@@ -219,7 +224,8 @@ class SnapshotRunner:
         Three stages overlap: up to ``snapshot.parallelism`` chunks are read at once, as many are
         written as data files, and one committer commits every chunk of a table written by then in
         one Iceberg commit (group commit), so neither the source connections nor the file writers
-        wait for commits, and commits do not multiply with chunks. At most
+        wait for commits. Commits do not multiply with chunks: while more chunks of a table are
+        coming, they are ``MIN_COMMIT_INTERVAL_SECONDS`` apart. At most
         ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are held in memory (a chunk read
         under REPEATABLE READ stays there until its upsert commits).
         """
@@ -228,6 +234,9 @@ class SnapshotRunner:
         held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
         ready: dict[str, list[WrittenChunk]] = {}
         ready_lock = threading.Lock()
+        work = list(work)
+        unwritten = Counter(table.key for table, _ in work)
+        last_commit: dict[str, float] = {}
         # Inner pools shut down first, so every chunk is handed to a stage still running.
         with (
             ArrowReader(self.config.source) as reader,
@@ -237,9 +246,17 @@ class SnapshotRunner:
         ):
 
             def commit_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
+                with ready_lock:
+                    more_coming = unwritten[table.key] > 0
+                previous = last_commit.get(table.key)
+                # REPEATABLE READ chunks hold their memory until committed: those are not held back.
+                if more_coming and previous is not None and mode == EXPORTED_SNAPSHOT:
+                    time.sleep(max(0.0, previous + MIN_COMMIT_INTERVAL_SECONDS - time.monotonic()))
                 with self._commit_locks.setdefault(table.key, threading.RLock()):
                     with ready_lock:
                         batch = ready.pop(table.key, [])
+                    if batch:
+                        last_commit[table.key] = time.monotonic()
                     try:
                         return self.commit_chunks(table, batch) if batch else []
                     finally:
@@ -252,11 +269,14 @@ class SnapshotRunner:
                     written = self.write_chunk(table, chunk, data)
                 except BaseException:
                     held.release()
+                    with ready_lock:
+                        unwritten[table.key] -= 1
                     raise
                 if written.pending_rows is None:
                     held.release()
                 with ready_lock:
                     ready.setdefault(table.key, []).append(written)
+                    unwritten[table.key] -= 1
                 return committers.submit(commit_ready, table)
 
             def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[Any]:
