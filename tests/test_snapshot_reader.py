@@ -13,9 +13,10 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pytest
+from psycopg import sql
 
 from pg2iceberg_dagster.coordination.store import Chunk
-from pg2iceberg_dagster.errors import UnsupportedTypeError
+from pg2iceberg_dagster.errors import Pg2IcebergError, UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.snapshot.chunks import read_chunk
 from pg2iceberg_dagster.snapshot.reader import ArrowReader
@@ -94,3 +95,14 @@ def test_a_multidimensional_array_is_refused_not_flattened(source: SourceDb) -> 
     config = source.config(["public.grid"])
     with ArrowReader(config.source) as reader, pytest.raises(UnsupportedTypeError, match="cells: a 2-dimensional"):
         read_chunk(reader, table, Chunk("public.grid", 0, 0, None), schema, None)
+
+
+def test_a_failed_read_leaves_the_reader_usable(source: SourceDb) -> None:
+    """Each thread reuses its connection from read to read; one a read failed on is not reused (it
+    would be stuck in the aborted transaction)."""
+    config = source.config(["public.any"])
+    with ArrowReader(config.source) as reader:
+        with pytest.raises(Pg2IcebergError, match="division by zero"):
+            reader.read(sql.SQL("SELECT 1 / 0 AS x"), None)
+        assert reader.read(sql.SQL("SELECT 1 AS one"), None).column("one").to_pylist() == [1]
+        assert reader.read(sql.SQL("SELECT 2 AS two"), None).column("two").to_pylist() == [2]

@@ -19,6 +19,7 @@ dimensions rides along and such a value is refused, as the WAL path refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import adbc_driver_manager
@@ -151,14 +152,18 @@ class ArrowReader:
     """Runs chunk queries into Arrow over one ADBC database handle, from any number of threads.
 
     Setting up the driver's database handle loads the server's type catalog (about 50 ms of CPU and
-    a round of queries), so one handle serves every chunk of a snapshot; each read still has its own
-    connection and transaction. Close it when the snapshot is done.
+    a round of queries), and a new connection costs the server a backend, so one handle serves the
+    whole snapshot and each thread keeps its connection from read to read. Every read is its own
+    transaction, ended before the next (between reads the connection is idle, not in a
+    transaction). Close the reader when the snapshot is done.
     """
 
     def __init__(self, target: PostgresConnection) -> None:
         self.target = target
         self._template: adbc.Connection | None = None
+        self._connections: list[adbc.Connection] = []
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     def __enter__(self) -> ArrowReader:
         return self
@@ -167,18 +172,34 @@ class ArrowReader:
         self.close()
 
     def _connection(self) -> adbc.Connection:
-        """A new connection sharing the database handle (made on first use)."""
-        with self._lock:
-            if self._template is None:
-                self._template = adbc.connect(self.target.conninfo(options=SESSION_OPTIONS))
-            return self._template.adbc_clone()
+        """This thread's connection, sharing the database handle (both made on first use)."""
+        connection: adbc.Connection | None = getattr(self._local, "connection", None)
+        if connection is None:
+            with self._lock:
+                if self._template is None:
+                    self._template = adbc.connect(self.target.conninfo(options=SESSION_OPTIONS))
+                connection = self._template.adbc_clone()
+                self._connections.append(connection)
+            self._local.connection = connection
+        return connection
+
+    def _discard_connection(self) -> None:
+        """Drop this thread's connection after an error; the next read opens a new one."""
+        connection: adbc.Connection | None = getattr(self._local, "connection", None)
+        self._local.connection = None
+        if connection is not None:
+            with self._lock:
+                self._connections.remove(connection)
+            with contextlib.suppress(adbc_driver_manager.Error):
+                connection.close()
 
     def read(self, query: sql.Composable, snapshot_name: str | None) -> pa.Table:
         """Run ``query`` in a READ ONLY REPEATABLE READ transaction (importing ``snapshot_name`` when
         given) and return its rows as Arrow, decoded by the ADBC driver."""
         try:
-            with self._connection() as conn, conn.cursor() as cursor:
-                # The connection starts a transaction at once: these are its first statements.
+            connection = self._connection()
+            with connection.cursor() as cursor:
+                # The driver begins a transaction with the first statement: these come first.
                 cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 if snapshot_name:
                     cursor.execute(
@@ -186,16 +207,20 @@ class ArrowReader:
                     )
                 cursor.execute(query.as_string())
                 rows = cursor.fetch_arrow_table()
-                conn.rollback()
-                return rows
+            connection.rollback()
+            return rows
         except adbc_driver_manager.Error as exc:
+            self._discard_connection()
             # libpq's message names the server, never the password; keep only its first line.
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise Pg2IcebergError(f"reading a snapshot chunk from {self.target.describe()} failed: {reason}") from None
 
     def close(self) -> None:
-        """Close the database handle (connections of reads in progress keep it until they end)."""
+        """Close every connection and the database handle."""
         with self._lock:
-            if self._template is not None:
-                self._template.close()
-                self._template = None
+            for connection in [*self._connections, self._template]:
+                if connection is not None:
+                    with contextlib.suppress(adbc_driver_manager.Error):
+                        connection.close()
+            self._connections.clear()
+            self._template = None
