@@ -233,7 +233,7 @@ class SnapshotRunner:
         mode = EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
         held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
         ready: dict[str, list[WrittenChunk]] = {}
-        ready_lock = threading.Lock()
+        ready_changed = threading.Condition()  # guards ready, unwritten and last_commit
         work = list(work)
         unwritten = Counter(table.key for table, _ in work)
         last_commit: dict[str, float] = {}
@@ -246,17 +246,20 @@ class SnapshotRunner:
         ):
 
             def commit_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
-                with ready_lock:
-                    more_coming = unwritten[table.key] > 0
-                previous = last_commit.get(table.key)
                 # REPEATABLE READ chunks hold their memory until committed: those are not held back.
-                if more_coming and previous is not None and mode == EXPORTED_SNAPSHOT:
-                    time.sleep(max(0.0, previous + MIN_COMMIT_INTERVAL_SECONDS - time.monotonic()))
+                with ready_changed:
+                    previous = last_commit.get(table.key)
+                    if previous is not None and mode == EXPORTED_SNAPSHOT:
+                        deadline = previous + MIN_COMMIT_INTERVAL_SECONDS
+                        ready_changed.wait_for(
+                            lambda: unwritten[table.key] == 0 or time.monotonic() >= deadline,
+                            timeout=max(0.0, deadline - time.monotonic()),
+                        )
                 with self._commit_locks.setdefault(table.key, threading.RLock()):
-                    with ready_lock:
+                    with ready_changed:
                         batch = ready.pop(table.key, [])
-                    if batch:
-                        last_commit[table.key] = time.monotonic()
+                        if batch:
+                            last_commit[table.key] = time.monotonic()
                     try:
                         return self.commit_chunks(table, batch) if batch else []
                     finally:
@@ -264,19 +267,25 @@ class SnapshotRunner:
                             if written.pending_rows is not None:
                                 held.release()
 
+            def hand_over(table: SourceTable, written: WrittenChunk | None) -> None:
+                """Give a written chunk (None: its write failed) to the committer's pile."""
+                with ready_changed:
+                    if written is not None:
+                        ready.setdefault(table.key, []).append(written)
+                    unwritten[table.key] -= 1
+                    if unwritten[table.key] == 0:
+                        ready_changed.notify_all()
+
             def write_then_hand_over(table: SourceTable, chunk: Chunk, data: ChunkData) -> Future[Any]:
                 try:
                     written = self.write_chunk(table, chunk, data)
                 except BaseException:
                     held.release()
-                    with ready_lock:
-                        unwritten[table.key] -= 1
+                    hand_over(table, None)
                     raise
                 if written.pending_rows is None:
                     held.release()
-                with ready_lock:
-                    ready.setdefault(table.key, []).append(written)
-                    unwritten[table.key] -= 1
+                hand_over(table, written)
                 return committers.submit(commit_ready, table)
 
             def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[Any]:
