@@ -111,7 +111,7 @@ def snapshot(pg: EmbeddedPostgres, root: Path, table: str, workers: int, run: st
         # Connection checks and opening the catalog (SQLAlchemy's import and engine, ~0.3 s once per
         # process) are not the snapshot's cost.
         pipeline.validate()
-        assert pipeline.catalog is not None
+        _ = pipeline.catalog  # opened on first use
 
         def run_snapshot() -> int:
             result = pipeline.snapshot()[f"public.{table}"]

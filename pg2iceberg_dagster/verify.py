@@ -79,9 +79,7 @@ def compare_table(conn: psycopg.Connection, source: SourceTable, iceberg_table: 
     """
     iceberg_schema_arrow = arrow_schema(iceberg_table.schema())
     not_yet_in_iceberg = [column for column in source.columns if column.name not in iceberg_schema_arrow.names]
-    schema = iceberg_schema_arrow
-    for arrow_field in arrow_schema(iceberg_schema(not_yet_in_iceberg, ())):
-        schema = schema.append(arrow_field)
+    schema = pa.schema([*iceberg_schema_arrow, *arrow_schema(iceberg_schema(not_yet_in_iceberg, ()))])
     pg_rows = copy_rows(conn, source, schema)
     iceberg_rows = iceberg_table.scan().to_arrow()
     if iceberg_rows.num_rows:

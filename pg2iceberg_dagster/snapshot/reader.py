@@ -74,30 +74,33 @@ def _output_text(value: sql.Composable) -> sql.Composable:
     return sql.SQL("CASE WHEN {0} IS NULL THEN NULL ELSE pg_catalog.format('%s', {0}) END").format(value)
 
 
+def _cast_target(kind: str) -> sql.Composable | None:
+    """The type a value of ``kind`` is cast to so that the driver decodes it exactly; None when only
+    ``format('%s')`` gives its output function's text."""
+    if kind in _BINARY_KINDS:
+        # Casting to the base type itself is a relabel: it strips domains and keeps char(n) padding.
+        return sql.Identifier("pg_catalog", kind)
+    if kind == "oid":
+        return sql.SQL("pg_catalog.int8")
+    if kind in _TEXT_CAST_IS_OUTPUT:
+        return sql.SQL("pg_catalog.text")
+    return None
+
+
 def _select_expression(name: sql.Identifier, pg_type: PgType) -> sql.Composable:
     """How a column is selected so that the driver decodes it exactly."""
     if pg_type.kind == "array":
         assert pg_type.element is not None
-        element = pg_type.element
-        if element.kind in _BINARY_KINDS:
-            return sql.SQL("{}::{}[]").format(name, sql.Identifier("pg_catalog", element.kind))
-        if element.kind == "oid":
-            return sql.SQL("{}::pg_catalog.int8[]").format(name)
-        if element.kind in _TEXT_CAST_IS_OUTPUT:
-            return sql.SQL("{}::pg_catalog.text[]").format(name)
+        target = _cast_target(pg_type.element.kind)
+        if target is not None:
+            return sql.SQL("{}::{}[]").format(name, target)
         # Element by element, in order, NULL elements kept.
         return sql.SQL(
             "CASE WHEN {0} IS NULL THEN NULL ELSE ARRAY(SELECT {1} FROM pg_catalog.unnest({0}) "
             "WITH ORDINALITY AS e(v, n) ORDER BY e.n) END"
         ).format(name, _output_text(sql.SQL("e.v")))
-    if pg_type.kind in _BINARY_KINDS:
-        # Casting to the base type itself is a relabel: it strips domains and keeps char(n) padding.
-        return sql.SQL("{}::{}").format(name, sql.Identifier("pg_catalog", pg_type.kind))
-    if pg_type.kind == "oid":
-        return sql.SQL("{}::pg_catalog.int8").format(name)
-    if pg_type.kind in _TEXT_CAST_IS_OUTPUT:
-        return sql.SQL("{}::pg_catalog.text").format(name)
-    return _output_text(name)
+    target = _cast_target(pg_type.kind)
+    return sql.SQL("{}::{}").format(name, target) if target is not None else _output_text(name)
 
 
 def select_expressions(columns: tuple[SourceColumn, ...]) -> sql.Composed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +214,7 @@ class SnapshotRunner:
 
     def run_chunks(
         self,
-        work: Iterable[tuple[SourceTable, Chunk]],
+        work: Sequence[tuple[SourceTable, Chunk]],
         snapshot_name: str | None,
         results: dict[str, TableSnapshotResult],
         on_chunk: ChunkCallback | None = None,
@@ -234,7 +234,6 @@ class SnapshotRunner:
         held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
         ready: dict[str, list[WrittenChunk]] = {}
         ready_changed = threading.Condition()  # guards ready, unwritten and last_commit
-        work = list(work)
         unwritten = Counter(table.key for table, _ in work)
         last_commit: dict[str, float] = {}
         # Inner pools shut down first, so every chunk is handed to a stage still running.
@@ -255,17 +254,16 @@ class SnapshotRunner:
                             lambda: unwritten[table.key] == 0 or time.monotonic() >= deadline,
                             timeout=max(0.0, deadline - time.monotonic()),
                         )
-                with self._commit_locks.setdefault(table.key, threading.RLock()):
-                    with ready_changed:
-                        batch = ready.pop(table.key, [])
-                        if batch:
-                            last_commit[table.key] = time.monotonic()
-                    try:
-                        return self.commit_chunks(table, batch) if batch else []
-                    finally:
-                        for written in batch:
-                            if written.pending_rows is not None:
-                                held.release()
+                with ready_changed:
+                    batch = ready.pop(table.key, [])
+                    if batch:
+                        last_commit[table.key] = time.monotonic()
+                try:
+                    return self.commit_chunks(table, batch) if batch else []
+                finally:
+                    for written in batch:
+                        if written.pending_rows is not None:
+                            held.release()
 
             def hand_over(table: SourceTable, written: WrittenChunk | None) -> None:
                 """Give a written chunk (None: its write failed) to the committer's pile."""
