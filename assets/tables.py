@@ -92,13 +92,14 @@ def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_
     def _snapshot(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource) -> MaterializeResult:
         with pg2iceberg.pipeline() as pipeline:
             runner = pipeline.snapshot_runner()
-            result = runner.run_partitions(table.key, context.partition_keys, config_path)
+            result = runner.run_partitions(table.key, context.partition_keys)
             return MaterializeResult(
                 metadata={
                     "rows_written": result.rows,
                     "chunks_run": result.chunks_run,
                     "chunks_already_done": result.chunks_skipped,
-                    "read_mode": ", ".join(sorted(result.read_modes)) or "none",
+                    "snapshot_epoch": result.epoch if result.epoch is not None else -1,
+                    "table_restarted": result.restarted,
                     "table_snapshot_complete": result.complete,
                     "dagster/table_name": translator.iceberg_table_name(table),
                 }

@@ -62,9 +62,10 @@ def cmd_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
     if not results:
         print("snapshot already complete for every table")
     for key, result in results.items():
-        modes = ", ".join(sorted(result.read_modes)) or "-"
+        restarted = "; started again: its earlier chunks were of a snapshot that is gone" if result.restarted else ""
         print(
-            f"{key}: {result.rows} rows in {result.chunks_run} chunks ({result.chunks_skipped} already done; {modes})"
+            f"{key}: {result.rows} rows in {result.chunks_run} chunks ({result.chunks_skipped} already done; "
+            f"snapshot epoch {result.epoch}{restarted})"
         )
     return 0
 
@@ -129,7 +130,7 @@ def cmd_hold_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
     print(
         "held the exported snapshot until the snapshot completed"
         if held
-        else "nothing to hold: the slot already exists or another holder runs"
+        else "nothing to hold: every table's snapshot is complete or another holder runs"
     )
     return 0
 
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "quickstart":
             return cmd_quickstart(args)
-        with Pipeline(load_config(args.config)) as pipeline:
+        with Pipeline(load_config(args.config), config_path=args.config) as pipeline:
             return COMMANDS[args.command][0](pipeline, args)
     except Pg2IcebergError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -52,8 +52,11 @@ def _nothing_after(store: CoordinationStore) -> str:
 class Pipeline:
     """One configured pipeline. Opens connections lazily; close it when done."""
 
-    def __init__(self, config: PipelineConfig, spark_factory: Any = None) -> None:
+    def __init__(self, config: PipelineConfig, spark_factory: Any = None, config_path: str | None = None) -> None:
         self.config = config
+        # With the file the config came from, the snapshot's holder runs as a process that outlives
+        # this one (see snapshot.holder); without, as a thread here.
+        self.config_path = config_path
         self._spark_factory = spark_factory or (lambda: build_spark_session(config))
         self.store = CoordinationStore(config.state_connection)
         self._catalog: Catalog | None = None
@@ -92,7 +95,7 @@ class Pipeline:
         return self.snapshot_runner().run(on_chunk=on_chunk, on_plan=on_plan)
 
     def snapshot_runner(self) -> SnapshotRunner:
-        return SnapshotRunner(self.config, self.store, self.validate(), self.catalog)
+        return SnapshotRunner(self.config, self.store, self.validate(), self.catalog, self.config_path)
 
     def stream(
         self,

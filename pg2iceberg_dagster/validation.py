@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import time
 from dataclasses import dataclass
 
 import psycopg
@@ -16,6 +17,8 @@ from .snapshot.chunks import MIN_CTID_RANGE_VERSION
 from .source.catalog import SourceTable, TypeResolver, describe_table, server_version
 from .source.connection import connect
 from .source.lsn import format_lsn, parse_lsn
+
+SLOT_RECORD_WAIT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -103,13 +106,17 @@ def ensure_publication(
                 f"publication {name} does not exist; create it FOR TABLE the configured tables, "
                 "or set replication.create_publication: true"
             )
-        conn.execute(
-            sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-                sql.Identifier(name),
-                sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables),
+        try:
+            conn.execute(
+                sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                    sql.Identifier(name),
+                    sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables),
+                )
             )
-        )
-        return
+            return
+        except psycopg.errors.UniqueViolation:
+            # Another process of this pipeline (a snapshot holder, a chunk run) created it just now.
+            return ensure_publication(conn, config, tables, mirrored)
     if not all(row[1:]):
         raise StartupCheckError(
             f"publication {name} does not publish insert, update, delete and truncate; "
@@ -180,6 +187,14 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
             f"{config.replication.slot}; restore the slot name or run cleanup --all"
         )
     slot_recorded = meta is not None and meta.consistent_point is not None
+    deadline = time.monotonic() + SLOT_RECORD_WAIT_SECONDS
+    while slot is not None and not slot_recorded and store.holder_alive(config.replication.slot):
+        # A holder is between creating the slot and recording it: wait for the record.
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+        meta = store.pipeline_meta()
+        slot_recorded = meta is not None and meta.consistent_point is not None
     if slot is None and slot_recorded:
         raise StartupCheckError(
             f"replication slot {config.replication.slot} is gone but the pipeline created it; changes since "

@@ -1,4 +1,5 @@
-"""The on-demand soak: ``python -m soak --seeds 200 [--first 1] [--report soak-report.json]``.
+"""The on-demand soak: ``python -m soak --seeds 200 [--first 1] [--report soak-report.json]``;
+``--shape snapshot-crash`` runs the snapshot-crash scenarios (``soak.snapshot_crash``) instead.
 
 Starts its own PostgreSQL (temporary directory, free port) and one Spark session, runs each seed's
 scenario (see ``soak.runner``), prints one line per seed and writes the JSON report. Exit code 1 when
@@ -22,6 +23,7 @@ from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.materializer.spark import build_spark_session
 
 from .runner import Cluster, Profile, ScenarioResult, run_scenario, summarize
+from .snapshot_crash import SnapshotCrashProfile, run_snapshot_crash_scenario
 
 CATALOG_DB = "iceberg_catalog"
 INTERRUPTED_EXIT = 130
@@ -44,8 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=1, help="the first seed")
     parser.add_argument("--report", default="soak-report.json", help="where the JSON report goes")
     parser.add_argument("--stream-writes", type=int, default=Profile.stream_writes, help="transactions per seed")
+    parser.add_argument(
+        "--shape",
+        choices=["mixed", "snapshot-crash"],
+        default="mixed",
+        help="mixed: every fault over a workload of every type; snapshot-crash: a large busy table whose "
+        "snapshot (and holder) is killed again and again",
+    )
+    parser.add_argument("--busy-rows", type=int, default=SnapshotCrashProfile.busy_rows, help="snapshot-crash rows")
     args = parser.parse_args(argv)
-    profile = Profile(stream_writes=args.stream_writes)
+    profile: Profile | SnapshotCrashProfile = (
+        Profile(stream_writes=args.stream_writes)
+        if args.shape == "mixed"
+        else SnapshotCrashProfile(busy_rows=args.busy_rows)
+    )
     results: list[ScenarioResult] = []
     interrupt = _Interrupt()
     signal.signal(signal.SIGINT, interrupt)
@@ -64,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_seeds(
-    args: argparse.Namespace, profile: Profile, results: list[ScenarioResult], interrupt: _Interrupt
+    args: argparse.Namespace,
+    profile: Profile | SnapshotCrashProfile,
+    results: list[ScenarioResult],
+    interrupt: _Interrupt,
 ) -> None:
     """Run every seed on one PostgreSQL and one Spark session, appending to ``results`` as each ends."""
     with tempfile.TemporaryDirectory(prefix="pg2iceberg-soak-") as directory:
@@ -87,7 +104,10 @@ def _run_seeds(
             spark = build_spark_session(spark_config)
             try:
                 for seed in range(args.first, args.first + args.seeds):
-                    result = run_scenario(cluster, root / "runs", seed, spark, profile)
+                    if isinstance(profile, SnapshotCrashProfile):
+                        result = run_snapshot_crash_scenario(cluster, root / "runs", seed, spark, profile)
+                    else:
+                        result = run_scenario(cluster, root / "runs", seed, spark, profile)
                     if interrupt.received:
                         return
                     results.append(result)

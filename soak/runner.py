@@ -34,6 +34,7 @@ from pg2iceberg_dagster.cleanup import collect_garbage
 from pg2iceberg_dagster.config import PipelineConfig, load_config
 from pg2iceberg_dagster.faults import CRASH_ENV
 from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.verify import TableDiff
 
 from .workload import Workload
 
@@ -82,6 +83,7 @@ class ScenarioResult:
     faults: Counter[str] = field(default_factory=Counter)
     armed_not_reached: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
+    epoch_restarts: int = 0  # snapshots that lost their exported snapshot and started a table again
     transactions: Counter[str] = field(default_factory=Counter)
     divergences: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
@@ -290,20 +292,7 @@ class Scenario:
             pipeline.stream(until_caught_up=True)
             pipeline.materialize()
             collect_garbage(pipeline.config, pipeline.store)
-            for diff in pipeline.verify():
-                if not diff.ok:
-                    self.result.divergences.append(
-                        {
-                            "table": diff.table,
-                            "pg_rows": diff.pg_rows,
-                            "iceberg_rows": diff.iceberg_rows,
-                            "only_in_pg": diff.only_in_pg,
-                            "only_in_iceberg": diff.only_in_iceberg,
-                            "different": diff.different,
-                            "duplicate_keys": diff.duplicate_keys,
-                            "examples": {k: [str(x) for x in v] for k, v in diff.examples.items()},
-                        }
-                    )
+            self.result.divergences.extend(divergences_of(pipeline.verify()))
 
         self._pipeline_call(catch_up_and_verify)
 
@@ -319,6 +308,24 @@ class Scenario:
                 "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
                 (self.name,),
             )
+
+
+def divergences_of(diffs: list[TableDiff]) -> list[dict[str, Any]]:
+    """The report's record of every table that verify found different."""
+    return [
+        {
+            "table": diff.table,
+            "pg_rows": diff.pg_rows,
+            "iceberg_rows": diff.iceberg_rows,
+            "only_in_pg": diff.only_in_pg,
+            "only_in_iceberg": diff.only_in_iceberg,
+            "different": diff.different,
+            "duplicate_keys": diff.duplicate_keys,
+            "examples": {k: [str(x) for x in v] for k, v in diff.examples.items()},
+        }
+        for diff in diffs
+        if not diff.ok
+    ]
 
 
 def run_scenario(
@@ -345,6 +352,7 @@ def summarize(results: list[ScenarioResult]) -> dict[str, Any]:
         "faults_injected_total": sum(faults.values()),
         "armed_but_not_reached": dict(sorted(unreached.items())),
         "restarts": sum(r.restarts for r in results),
+        "epoch_restarts": sum(r.epoch_restarts for r in results),
         "transactions": dict(sorted(kinds.items())),
         "transactions_total": sum(kinds.values()),
         "seconds": round(sum(r.seconds for r in results), 1),

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.coordination.store import Chunk
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.pipeline import Pipeline
-from pg2iceberg_dagster.snapshot.chunks import ChunkData, WrittenChunk
+from pg2iceberg_dagster.snapshot.chunks import WrittenChunk
 from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
 from pg2iceberg_dagster.source.catalog import SourceTable
 
@@ -37,7 +38,7 @@ def crash_writing_chunks_from(monkeypatch: pytest.MonkeyPatch, first_failing: in
     index, not by timing, is what leaves exactly those chunks done.)"""
     write = SnapshotRunner.write_chunk
 
-    def write_or_crash(self: SnapshotRunner, table: SourceTable, chunk: Chunk, data: ChunkData) -> WrittenChunk:
+    def write_or_crash(self: SnapshotRunner, table: SourceTable, chunk: Chunk, data: pa.Table) -> WrittenChunk:
         if chunk.index >= first_failing:
             raise Crash
         return write(self, table, chunk, data)
@@ -112,6 +113,11 @@ class SourceDb:
     def close(self) -> None:
         for pipeline in self._pipelines:
             pipeline.close()
+        # A snapshot holder a test left running loses its sessions and exits.
+        self.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (self.name,),
+        )
         self.execute(
             "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = %s "
             "AND active_pid IS NOT NULL",

@@ -6,6 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,9 @@ import yaml
 
 from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.faults import CRASH_ENV
+from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.source.replication import ReplicationStream
+from soak.busy import BusyTable
 
 from .conftest import Crash, SourceDb, assert_mirrored, crash_writing_chunks_from, sync
 
@@ -34,10 +39,12 @@ def _orders(source: SourceDb, rows: int = 6000) -> None:
     source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, %s) g", (rows,))
 
 
-def test_crash_mid_snapshot_resumes_without_loss_or_duplicates(
+def test_crash_mid_snapshot_with_its_export_lost_starts_the_table_again(
     source: SourceDb, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Some chunks commit, the process dies (the export is lost), rows move pages, the rerun converges."""
+    """Some chunks commit, then the process dies with its in-process holder: the export is gone. Rows
+    move pages before the rerun, so the old chunks cannot join new ones: the table starts again in a
+    new epoch and the WAL before that epoch's snapshot is skipped, not replayed on top."""
     _orders(source)
     config = source.config(["public.orders"], snapshot={"chunk_pages": 4, "parallelism": 1})
     first = source.pipeline(config)
@@ -46,15 +53,13 @@ def test_crash_mid_snapshot_resumes_without_loss_or_duplicates(
         first.snapshot()
     monkeypatch.undo()
     chunks = first.store.chunks("public.orders")
-    assert [c.index for c in chunks if c.done] == [0, 1]
-    assert len(chunks) > 2
-    # Updates move rows to new pages, possibly into chunks not read yet: they would be read twice.
+    assert [c.index for c in chunks if c.done] == [0, 1] and len(chunks) > 2
     source.execute("UPDATE public.orders SET v = v || '!' WHERE id % 3 = 0")
     source.execute("DELETE FROM public.orders WHERE id % 10 = 0")
+    source.execute("UPDATE public.orders SET id = id + 100000 WHERE id % 7 = 0")
     second = source.pipeline(config)
-    results = second.snapshot()
-    assert results["public.orders"].read_modes == {"repeatable_read"}
-    assert results["public.orders"].complete
+    result = second.snapshot()["public.orders"]
+    assert (result.epoch, result.restarted, result.complete, result.chunks_skipped) == (1, True, True, 0)
     sync(second)
     assert_mirrored(second)  # also fails on duplicate keys
 
@@ -121,11 +126,9 @@ def test_crash_between_iceberg_commit_and_cursor_update(source: SourceDb, monkey
 def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(
     source: SourceDb, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Export lost mid-snapshot; an update that leaves a TOASTed column alone moves its row into a chunk
-    already read, so no chunk reads it and the WAL update lacks that column: it must come from the source.
-
-    Found by the soak (seed 1): the column arrived in Iceberg as NULL.
-    """
+    """Export lost mid-snapshot; updates that leave a TOASTed column alone move their rows into a chunk
+    already read (no chunk of a mixed read would see them, and their WAL lacks that column), then
+    change their keys. Found by the soak (seed 1): the column arrived in Iceberg as NULL."""
     source.execute("CREATE TABLE public.docs (id int PRIMARY KEY, n int, body text)")
     source.execute("ALTER TABLE public.docs ALTER COLUMN body SET STORAGE EXTERNAL")
     source.execute("ALTER TABLE public.docs SET (autovacuum_enabled = off)")
@@ -138,7 +141,6 @@ def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(
     monkeypatch.undo()
     chunks = first.store.chunks("public.docs")
     boundary = min(c.start_page for c in chunks if not c.done)
-    assert all(c.done == (c.start_page < boundary) for c in chunks)
     read = f"'({boundary},0)'::tid"
     # Free space in the chunks already read, then update rows of later chunks without touching body:
     # their new versions land in the freed pages.
@@ -149,10 +151,106 @@ def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(
         f"SELECT count(*) FROM u WHERE ctid < {read}"
     )[0][0]
     assert moved > 0, "the test needs rows moved into the first chunk"
+    source.execute("UPDATE public.docs SET id = id + 5000 WHERE n = 1 AND id % 2 = 0")
+    source.execute("UPDATE public.docs SET id = id + 5000 WHERE id > 5000 AND id % 4 = 0")
     second = source.pipeline(config)
-    assert second.snapshot()["public.docs"].read_modes == {"repeatable_read"}
+    assert second.snapshot()["public.docs"].restarted
     sync(second)
     assert_mirrored(second)
+
+
+BUSY_ROWS = 50_000
+
+
+def _snapshot_process(config_path: Path, crash_at: str | None = None) -> subprocess.Popen[bytes]:
+    env = {key: value for key, value in os.environ.items() if key != CRASH_ENV}
+    if crash_at:
+        env[CRASH_ENV] = crash_at
+    return subprocess.Popen(
+        [sys.executable, "-m", "pg2iceberg_dagster.cli", "-c", str(config_path), "snapshot"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _snapshot_busy_table_with_deaths(
+    source: SourceDb, tmp_path: Path, seed: int, deaths: Callable[[Path], None]
+) -> tuple[Pipeline, BusyTable]:
+    """Create the busy table, keep writing to it while ``deaths(config_path)`` kills snapshot
+    processes, then run ``snapshot`` to completion; returns a pipeline on it and the workload."""
+    setup = BusyTable(source.conninfo, seed, BUSY_ROWS)
+    setup.create()
+    setup.close()
+    config = source.config(["public.busy"], snapshot={"chunk_pages": 8, "parallelism": 2})
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    busy = BusyTable(source.conninfo, seed, BUSY_ROWS)
+    stop = threading.Event()
+
+    def write() -> None:
+        try:
+            while not stop.is_set():
+                busy.step()
+        except Exception:
+            busy.kinds["error"] += 1  # fails the test below
+            raise
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        deaths(path)
+        finished = _snapshot_process(path)
+        assert finished.wait(300) == 0, finished.stderr.read() if finished.stderr else ""
+    finally:
+        stop.set()
+        writer.join()
+        busy.close()
+    assert not busy.kinds["error"], busy.kinds
+    return source.pipeline(config), busy
+
+
+def test_snapshot_killed_again_and_again_under_writes_resumes_exactly(source: SourceDb, tmp_path: Path) -> None:
+    """A busy table (rows moving pages, key changes, TOAST left unchanged, deletes and re-inserts):
+    ``snapshot`` is SIGKILLed three times. Its holder process lives on, so every rerun imports the same
+    exported snapshot and skips the chunks done: one epoch, nothing read twice, nothing lost."""
+
+    def deaths(path: Path) -> None:
+        for crash_at in ["snapshot.after_chunk_commit:1", "snapshot.mid_chunk:2", "snapshot.after_chunk_commit:2"]:
+            died = _snapshot_process(path, crash_at)
+            assert died.wait(300) == -signal.SIGKILL, died.stderr.read() if died.stderr else ""
+
+    pipeline, busy = _snapshot_busy_table_with_deaths(source, tmp_path, 11, deaths)
+    assert busy.kinds["key_change"] and busy.kinds["move_toast"], busy.kinds
+    chunks = pipeline.store.chunks("public.busy")
+    assert len(chunks) > 6 and {c.epoch for c in chunks} == {0}, "the holder's snapshot was lost"
+    sync(pipeline)
+    assert_mirrored(pipeline)
+
+
+def test_holder_killed_mid_snapshot_restarts_the_table_under_a_new_snapshot(source: SourceDb, tmp_path: Path) -> None:
+    """The holder itself dies (SIGKILL) after chunks committed, under writes: the rerun takes a new
+    epoch, reads the table again under its snapshot, and the merge skips exactly the transactions
+    that snapshot shows (without that skip this test diverges)."""
+
+    def deaths(path: Path) -> None:
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "pg2iceberg_dagster.cli", "-c", str(path), "hold-snapshot"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        died = _snapshot_process(path, "snapshot.after_chunk_commit:2")
+        assert died.wait(300) == -signal.SIGKILL
+        holder.kill()
+        holder.wait()
+        time.sleep(1)  # writes under no snapshot at all
+
+    pipeline, busy = _snapshot_busy_table_with_deaths(source, tmp_path, 12, deaths)
+    assert busy.kinds["free_early_pages"], busy.kinds
+    assert {c.epoch for c in pipeline.store.chunks("public.busy")} == {1}
+    assert pipeline.store.table_state("public.busy").snapshot_epoch == 1  # type: ignore[union-attr]
+    sync(pipeline)
+    assert_mirrored(pipeline)
 
 
 def test_process_killed_after_chunk_commit_resumes(source: SourceDb, tmp_path: Path) -> None:

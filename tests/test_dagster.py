@@ -105,7 +105,8 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
             result = materialize([orders_snapshot], partition_key=key, instance=instance)
             assert result.success
             modes.append(result.asset_materializations_for_node(orders_snapshot.node_def.name)[0].metadata)
-        assert {m["read_mode"].value for m in modes} == {"exported_snapshot"}
+        assert {m["snapshot_epoch"].value for m in modes} == {0}
+        assert not any(m["table_restarted"].value for m in modes)
 
         # Writes reach the staged log through the flusher sensor.
         source.execute("INSERT INTO public.orders VALUES (100001, 'new'); DELETE FROM public.orders WHERE id = 7")

@@ -118,18 +118,18 @@ def test_chunks_read_without_a_slot_are_refused(source: SourceDb, tmp_path: Path
     source.execute("INSERT INTO public.t SELECT g, 'v' FROM generate_series(1, 500) g")
     config = source.config(["public.t"])
     pipeline = source.pipeline(config)
-    runner = pipeline.snapshot_runner()
-    table = pipeline.validate().tables["public.t"]
-    chunk = runner.plan(table, None)[0]
     # The holder process dies at once (its config file is missing), so no slot is created.
-    with pytest.raises(StartupCheckError, match=r"hold-snapshot.*exited without creating replication slot"):
-        runner.run_partitions("public.t", [chunk.partition_key], str(tmp_path / "missing.yaml"))
+    pipeline.config_path = str(tmp_path / "missing.yaml")
+    runner = pipeline.snapshot_runner()
+    chunk = runner.plan(pipeline.validate().tables["public.t"])[0]
+    with pytest.raises(StartupCheckError, match=r"hold-snapshot.*stopped without one.*missing\.yaml"):
+        runner.run_partitions("public.t", [chunk.partition_key])
     state = footprint(config)
     assert state["slot"] == [] and not any('"status":"done"' in r for r in state["_pg2iceberg.snapshot_progress"])
     assert state[f"iceberg:{config.iceberg_identifier(config.tables[0])[0]}.t"] == [], "rows were committed"
 
     # State left by a chunk read without any slot (what the engine did before the check above): refused.
-    assert runner.run_chunk(table, chunk, None) == 500
+    pipeline.store.mark_chunk_done("public.t", chunk.index, 500, 0, None)
     _every_entry_point_refuses(
         source, config, r"public\.t.*read without a replication slot.*cleanup --table public\.t.*snapshot again"
     )

@@ -69,7 +69,7 @@ def test_binary_reader_agrees_with_the_text_path_on_awkward_values(source: Sourc
     schema = arrow_schema(iceberg_schema(table.columns, table.primary_key))
     config = source.config(["public.edge"])
     with ArrowReader(config.source) as reader:
-        binary = read_chunk(reader, table, Chunk("public.edge", 0, 0, None), schema, None).rows
+        binary = read_chunk(reader, table, Chunk("public.edge", 0, 0, None), schema, None)
     with psycopg.connect(source.conninfo) as conn:
         text = copy_rows(conn, table, schema)
     assert binary.schema == text.schema

@@ -14,10 +14,10 @@ from pg2iceberg_dagster.errors import UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.materializer.fold import fold
 from pg2iceberg_dagster.materializer.merge import _spark_arrow_schema, _spark_value, folded_arrow
-from pg2iceberg_dagster.materializer.vectorized import can_fold_vectorized, fold_vectorized, read_staged
+from pg2iceberg_dagster.materializer.vectorized import can_fold_vectorized, fold_vectorized
 from pg2iceberg_dagster.source.catalog import PgType, SourceColumn
 from pg2iceberg_dagster.staging import codec
-from pg2iceberg_dagster.staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, Change, StagedRelation
+from pg2iceberg_dagster.staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, Change, StagedRelation, read_staged
 
 
 def pg_type(name: str, kind: str, oid: int, array_oid: int = 0, type_mod: int = -1, element: Any = None) -> PgType:

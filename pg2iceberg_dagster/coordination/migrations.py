@@ -102,6 +102,31 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.tables ADD COLUMN source_fill_until_lsn pg_lsn;
         """,
     ),
+    (
+        4,
+        """
+        -- Snapshot epochs: every exported snapshot chunks were read under. Epoch 0 is the slot's own
+        -- (at its consistent point); a later one is taken when that export was lost. ``snapshot`` is
+        -- the pg_snapshot text (xmin:xmax:xip), so the materializer can skip the transactions a table
+        -- read in that epoch already holds; none of them has a change at or after ``lsn_bound``.
+        CREATE TABLE _pg2iceberg.snapshot_epochs (
+            epoch integer PRIMARY KEY CHECK (epoch >= 0),
+            snapshot text NOT NULL,
+            lsn_bound pg_lsn NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT now()
+        );
+        ALTER TABLE _pg2iceberg.pipeline_meta ADD COLUMN exported_epoch integer;
+        -- The epoch a table's Iceberg rows were read in: every chunk of a table is read in one epoch,
+        -- so the table is one consistent read (a chunk from another epoch restarts the table).
+        ALTER TABLE _pg2iceberg.tables ADD COLUMN snapshot_epoch integer
+            REFERENCES _pg2iceberg.snapshot_epochs (epoch);
+        ALTER TABLE _pg2iceberg.tables DROP COLUMN source_fill_until_lsn;
+        ALTER TABLE _pg2iceberg.snapshot_progress DROP COLUMN read_mode;
+        -- A table mid-snapshot from before epochs has none: nothing proves its chunks were read at
+        -- one moment, so its snapshot starts again.
+        ALTER TABLE _pg2iceberg.snapshot_progress ADD COLUMN epoch integer;
+        """,
+    ),
 ]
 
 

@@ -31,8 +31,25 @@ class TableState:
     iceberg_table: str
     snapshot_complete: bool
     snapshot_lsn: int | None
-    # WAL changes before this LSN may find their row missing from Iceberg (see migration 3).
-    source_fill_until_lsn: int | None = None
+    # The snapshot epoch the table's rows were read in (None: not planned in any epoch yet).
+    snapshot_epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotEpoch:
+    """An exported snapshot chunks were read under (see migration 4)."""
+
+    epoch: int
+    snapshot: str  # pg_snapshot text: xmin:xmax:xip,...
+    lsn_bound: int
+
+
+@dataclass(frozen=True)
+class AdvertisedSnapshot:
+    """The exported snapshot a live holder keeps importable, and its epoch."""
+
+    name: str
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class Chunk:
     start_page: int
     end_page: int | None
     done: bool = False
+    epoch: int | None = None  # the snapshot epoch a done chunk was read in
 
     @property
     def partition_key(self) -> str:
@@ -74,6 +92,11 @@ class LogEntry:
     flushable_lsn: int
     row_count: int
     byte_size: int
+
+
+def snapshot_holder_lock(slot: str) -> int:
+    """The advisory lock a snapshot holder holds while it lives (see snapshot.holder)."""
+    return zlib.crc32(f"pg2iceberg:snapshot-holder:{slot}".encode()) & 0x7FFFFFFF
 
 
 def _lsn(value: str | None) -> int | None:
@@ -131,19 +154,49 @@ class CoordinationStore:
                 (format_lsn(consistent_point),),
             )
 
-    def publish_exported_snapshot(self, name: str | None) -> None:
-        """Advertise (or withdraw) the exported snapshot a holder process keeps open."""
-        self.conn.execute("UPDATE _pg2iceberg.pipeline_meta SET exported_snapshot = %s", (name,))
+    def begin_epoch(self, snapshot: str, lsn_bound: int) -> int:
+        """Record a new snapshot epoch (0 for the first, taken with the slot); returns its number."""
+        row = self.conn.execute(
+            "INSERT INTO _pg2iceberg.snapshot_epochs (epoch, snapshot, lsn_bound) "
+            "SELECT coalesce(max(epoch) + 1, 0), %s, %s FROM _pg2iceberg.snapshot_epochs RETURNING epoch",
+            (snapshot, format_lsn(lsn_bound)),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
 
-    def exported_snapshot(self, holder_lock: int) -> str | None:
+    def snapshot_epoch(self, epoch: int) -> SnapshotEpoch:
+        row = self.conn.execute(
+            "SELECT snapshot, lsn_bound::text FROM _pg2iceberg.snapshot_epochs WHERE epoch = %s", (epoch,)
+        ).fetchone()
+        if row is None:
+            raise KeyError(f"snapshot epoch {epoch} is not recorded")
+        return SnapshotEpoch(epoch, row[0], parse_lsn(row[1]))
+
+    def publish_exported_snapshot(self, advertised: AdvertisedSnapshot | None) -> None:
+        """Advertise (or withdraw) the exported snapshot a holder process keeps open."""
+        self.conn.execute(
+            "UPDATE _pg2iceberg.pipeline_meta SET exported_snapshot = %s, exported_epoch = %s",
+            (advertised.name, advertised.epoch) if advertised else (None, None),
+        )
+
+    def holder_alive(self, slot: str) -> bool:
+        """True while a snapshot holder process (or thread) holds its lock."""
+        row = self.conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 "
+            "AND objid = %s AND objsubid = 1)",
+            (snapshot_holder_lock(slot),),
+        ).fetchone()
+        return bool(row and row[0])
+
+    def exported_snapshot(self, holder_lock: int) -> AdvertisedSnapshot | None:
         """The advertised exported snapshot, if the holder that advertised it still holds its lock."""
         row = self.conn.execute(
-            "SELECT exported_snapshot FROM _pg2iceberg.pipeline_meta WHERE exported_snapshot IS NOT NULL AND "
-            "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 AND objid = %s "
-            "AND objsubid = 1)",
+            "SELECT exported_snapshot, exported_epoch FROM _pg2iceberg.pipeline_meta "
+            "WHERE exported_snapshot IS NOT NULL AND EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+            "AND granted AND classid = 0 AND objid = %s AND objsubid = 1)",
             (holder_lock,),
         ).fetchone()
-        return row[0] if row else None
+        return AdvertisedSnapshot(row[0], row[1]) if row else None
 
     def flushed_lsn(self) -> int | None:
         row = self.conn.execute("SELECT lsn::text FROM _pg2iceberg.flushed_lsn").fetchone()
@@ -160,10 +213,10 @@ class CoordinationStore:
 
     def table_states(self) -> dict[str, TableState]:
         return {
-            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), _lsn(row[5]))
+            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), row[5])
             for row in self.conn.execute(
                 "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text, "
-                "source_fill_until_lsn::text FROM _pg2iceberg.tables"
+                "snapshot_epoch FROM _pg2iceberg.tables"
             )
         }
 
@@ -194,38 +247,55 @@ class CoordinationStore:
 
     def chunks(self, table_name: str) -> list[Chunk]:
         return [
-            Chunk(table_name, index, start, end, status == "done")
-            for index, start, end, status in self.conn.execute(
-                "SELECT chunk_index, start_page, end_page, status FROM _pg2iceberg.snapshot_progress "
+            Chunk(table_name, index, start, end, status == "done", epoch)
+            for index, start, end, status, epoch in self.conn.execute(
+                "SELECT chunk_index, start_page, end_page, status, epoch FROM _pg2iceberg.snapshot_progress "
                 "WHERE table_name = %s ORDER BY chunk_index",
                 (table_name,),
             )
         ]
 
     def mark_chunk_done(
-        self, table_name: str, index: int, rows: int, read_mode: str, iceberg_snapshot_id: int | None
+        self, table_name: str, index: int, rows: int, epoch: int, iceberg_snapshot_id: int | None
     ) -> None:
         self.conn.execute(
-            "UPDATE _pg2iceberg.snapshot_progress SET status = 'done', rows_written = %s, read_mode = %s, "
+            "UPDATE _pg2iceberg.snapshot_progress SET status = 'done', rows_written = %s, epoch = %s, "
             "iceberg_snapshot_id = %s, completed_at = now() WHERE table_name = %s AND chunk_index = %s",
-            (rows, read_mode, iceberg_snapshot_id, table_name, index),
+            (rows, epoch, iceberg_snapshot_id, table_name, index),
         )
 
-    def mark_snapshot_complete(self, table_name: str, source_wal_lsn: int) -> None:
-        """Mark the table's snapshot complete at the source's WAL position ``source_wal_lsn``.
+    def restart_table_snapshot(self, table_name: str, epoch: int) -> None:
+        """Every chunk of the table pending again, to be read in ``epoch`` (its Iceberg rows are gone)."""
+        with self.conn.transaction():
+            self.conn.execute(
+                "UPDATE _pg2iceberg.snapshot_progress SET status = 'pending', rows_written = NULL, epoch = NULL, "
+                "iceberg_snapshot_id = NULL, completed_at = NULL WHERE table_name = %s",
+                (table_name,),
+            )
+            self.conn.execute(
+                "UPDATE _pg2iceberg.tables SET snapshot_epoch = %s WHERE table_name = %s", (epoch, table_name)
+            )
 
-        If any chunk was read under plain REPEATABLE READ (the exported snapshot was lost), chunks saw
-        the table at different moments: a row updated in between can have moved into a chunk read
-        earlier and be missing from Iceberg until its WAL change re-creates it. Changes up to this
-        position therefore take their unchanged columns from the source (``source_fill_until_lsn``).
-        """
+    def mark_snapshot_complete(self, table_name: str) -> None:
+        """Mark the table's snapshot complete (every chunk is done, all in the table's epoch)."""
         self.conn.execute(
-            "UPDATE _pg2iceberg.tables SET snapshot_complete = true, snapshot_completed_at = now(), "
-            "source_fill_until_lsn = CASE WHEN EXISTS (SELECT 1 FROM _pg2iceberg.snapshot_progress p "
-            "WHERE p.table_name = %s AND p.read_mode = 'repeatable_read') THEN %s::pg_lsn END "
+            "UPDATE _pg2iceberg.tables SET snapshot_complete = true, snapshot_completed_at = now() "
             "WHERE table_name = %s AND NOT snapshot_complete",
-            (table_name, format_lsn(source_wal_lsn), table_name),
+            (table_name,),
         )
+
+    @contextlib.contextmanager
+    def table_snapshot_lock(self, table_name: str) -> Iterator[None]:
+        """Serialize a table's epoch changes and chunk commits across processes (a session advisory
+        lock on a connection of its own, released even on a crash)."""
+        lock_key = zlib.crc32(f"pg2iceberg:snapshot-table:{table_name}".encode())
+        with connect(self.target) as lock_conn:
+            lock_conn.execute("SELECT pg_advisory_lock(%s)", (lock_key,))
+            try:
+                yield
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    lock_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
 
     # staged log ----------------------------------------------------------------------------------
 

@@ -18,23 +18,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig, TableConfig
-from ..coordination.store import CoordinationStore, LogEntry
+from ..coordination.store import CoordinationStore, LogEntry, SnapshotEpoch
 from ..errors import SchemaChangeError
 from ..faults import crash_point
 from ..iceberg.catalog import evolve_schema, table_identifier
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
 from ..source.catalog import columns_added_with_default
 from ..source.connection import connect
-from ..staging.codec import DELETE, StagedRelation, decode
+from ..source.xid_snapshot import XidSnapshot
+from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
 from ..staging.store import ObjectStore
 from .fold import FoldResult, fold
-from .source_fill import fill_from_source
-from .vectorized import can_fold_vectorized, fold_vectorized, read_staged
+from .vectorized import can_fold_vectorized, fold_vectorized
 
 OP_COLUMN = "_op"
 UNCHANGED_COLUMN = "_unchanged"
@@ -292,11 +293,16 @@ class Materializer:
                     entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
                     if not entries:
                         break
-                    self._apply_batch(table_key, cursor, entries, result, state.source_fill_until_lsn)
+                    self._apply_batch(table_key, cursor, entries, result, self.replay_epoch(table_key))
                     result.batches += 1
         result.cursor, result.head = self.lag(table_key)
         result.seconds = time.monotonic() - started
         return result
+
+    def replay_epoch(self, table_key: str) -> SnapshotEpoch | None:
+        """The snapshot epoch the table's rows were read in (None for a table snapshotted before epochs)."""
+        state = self.store.table_state(table_key)
+        return self.store.snapshot_epoch(state.snapshot_epoch) if state and state.snapshot_epoch is not None else None
 
     def _start_spark(self, table_key: str, timings: dict[str, float]) -> None:
         """Create the session and resolve the table in it before the batch is read: a new JVM takes
@@ -315,26 +321,30 @@ class Materializer:
         table_key: str,
         cursor: int,
         entries: list[LogEntry],
-        source_fill_until_lsn: int | None = None,
+        replay_epoch: SnapshotEpoch | None = None,
         timings: dict[str, float] | None = None,
     ) -> PreparedBatch:
-        """Read ``entries`` past ``cursor``, evolve the schema, fold them by key and type the rows."""
+        """Read ``entries`` past ``cursor``, evolve the schema, fold them by key and type the rows.
+
+        Changes of transactions the table's snapshot already shows (``replay_epoch``) are left out: the
+        table is one read under that snapshot, so replaying exactly the others reaches the source's state.
+        """
         timings = {} if timings is None else timings
         table_config = self.config.table(table_key)
         identifier = table_identifier(self.config, table_config)
         with timed_phase(timings, "read"):
             table = self.catalog.load_table(identifier)
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
-            files: list[tuple[bytes, int]] = []
             staged = []
+            visible = XidSnapshot.parse(replay_epoch.snapshot) if replay_epoch is not None else None
             for entry in entries:
-                data = self.object_store.get(entry.path)
-                relation, changes = read_staged(data)
+                relation, changes = read_staged(self.object_store.get(entry.path))
                 # An entry may start before the cursor only if it was half applied; never the case as
                 # the cursor always lands on an entry's end, but skip defensively by offset.
-                skip = max(0, cursor - entry.start_offset)
-                files.append((data, skip))
-                staged.append((relation, changes.slice(skip)))
+                changes = changes.slice(max(0, cursor - entry.start_offset))
+                if visible is not None and replay_epoch is not None and entry.first_lsn < replay_epoch.lsn_bound:
+                    changes = changes.filter(pc.invert(visible.visible(changes.column("_xid"))))
+                staged.append((relation, changes))
         with timed_phase(timings, "fold"):
             relations: list[StagedRelation] = []
             for relation, _ in staged:
@@ -356,15 +366,8 @@ class Materializer:
                     identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
                 )  # fmt: skip
-            batches = []
-            for data, skip in files:
-                relation, changes = decode(data)
-                batches.append((relation, changes[skip:]))
-            folded = fold(batches, key)
+            folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
-            if source_fill_until_lsn is not None and entries[0].first_lsn < source_fill_until_lsn:
-                with connect(self.config.source) as conn:
-                    fill_from_source(conn, table_config.schema_name, table_config.table_name, folded, key)
         with timed_phase(timings, "arrow"):
             rows = folded_arrow(folded, table)
         deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
@@ -379,10 +382,10 @@ class Materializer:
         cursor: int,
         entries: list[LogEntry],
         result: MergeResult,
-        source_fill_until_lsn: int | None,
+        replay_epoch: SnapshotEpoch | None,
     ) -> None:
         timings = result.timings
-        prepared = self.prepare_batch(table_key, cursor, entries, source_fill_until_lsn, timings)
+        prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier.split("."))
         with timed_phase(timings, "spark_merge"):

@@ -21,12 +21,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 
 from ..errors import UnsupportedTypeError
 from ..iceberg.types import arrow_column, loader_oid, text_loaders
 from ..source.catalog import TEXT_OID, SourceColumn
-from ..staging.codec import DELETE, RELATION_METADATA_KEY, STAGING_SCHEMA, TRUNCATE, StagedRelation
+from ..staging.codec import DELETE, TRUNCATE, StagedRelation
 from .fold import UPSERT
 
 # Past this, one JSON line would not fit a block of Arrow's JSON reader: use the general path.
@@ -46,15 +45,6 @@ class VectorFold:
     upserts: int
     deletes: int
     has_unchanged: bool
-
-
-def read_staged(data: bytes) -> tuple[StagedRelation, pa.Table]:
-    """A staged file as (relation, its six staging columns) without building a Python object per row."""
-    table = pq.read_table(io.BytesIO(data))
-    metadata = table.schema.metadata or {}
-    if RELATION_METADATA_KEY not in metadata or table.schema.remove_metadata() != STAGING_SCHEMA:
-        raise ValueError("not a pg2iceberg staged file (schema or relation metadata missing)")
-    return StagedRelation.from_json(metadata[RELATION_METADATA_KEY]), table
 
 
 def can_fold_vectorized(batches: Sequence[tuple[StagedRelation, pa.Table]]) -> bool:

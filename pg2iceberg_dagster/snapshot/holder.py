@@ -1,43 +1,71 @@
-"""Keeping the slot's exported snapshot importable while chunks are read, in-process or as a holder process.
+"""Keeping one exported snapshot importable while chunks are read, by a holder that outlives any reader.
 
-The snapshot stays valid only while the replication connection that created the slot stays open
-and idle. :class:`SnapshotHolder` is that connection. :func:`hold_snapshot` runs it as a process of
-its own that outlives any one chunk run (the Dagster case): it advertises the snapshot's name in
-coordination under an advisory lock, so runs in other processes can import it, and it lets go once
-every configured table's snapshot is complete.
+An exported snapshot stays valid only while the session that exported it stays open and idle.
+:class:`SnapshotHolder` is that session. The first one creates the slot with ``SNAPSHOT 'export'``:
+epoch 0, at the slot's consistent point. Once the slot exists its export cannot be had again, so a
+later holder exports the snapshot of a plain REPEATABLE READ transaction: a new epoch, recorded with
+its ``pg_snapshot`` so the materializer can skip the transactions it already shows.
+
+:func:`hold_snapshot` runs a holder in a process (or thread) of its own and advertises the snapshot's
+name and epoch in coordination under an advisory lock. Snapshot processes (the CLI's ``snapshot`` and
+Dagster chunk runs) import it; one killed mid-chunk and started again resumes under the same
+snapshot. The holder lets go once every configured table's snapshot is complete, after
+``max_seconds``, or when no snapshot process has run for ``snapshot.holder_idle_seconds``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 
 import psycopg
 
-from ..config import PipelineConfig
-from ..coordination.store import CoordinationStore
+from ..config import PipelineConfig, PostgresConnection
+from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
 from ..source.connection import connect
+from ..source.lsn import parse_lsn
 from ..source.replication import create_slot_with_snapshot
+from ..source.xid_snapshot import exported_snapshot_text
+
+HOLDER_COMMAND = (sys.executable, "-m", "pg2iceberg_dagster.cli")
 
 
 def holder_lock_key(config: PipelineConfig) -> int:
-    """The advisory lock a holder process holds while its snapshot is advertised."""
-    return zlib.crc32(f"pg2iceberg:snapshot-holder:{config.replication.slot}".encode()) & 0x7FFFFFFF
+    """The advisory lock a holder holds while it lives (its snapshot is advertised under it)."""
+    return snapshot_holder_lock(config.replication.slot)
+
+
+def worker_lock_key(config: PipelineConfig) -> int:
+    """The advisory lock every snapshot process holds (shared) while it works: the holder's sign of life."""
+    return zlib.crc32(f"pg2iceberg:snapshot-worker:{config.replication.slot}".encode()) & 0x7FFFFFFF
 
 
 class SnapshotHolder:
-    """Creates the slot and holds its exported snapshot open until closed."""
+    """Exports a snapshot and keeps it importable until closed: the slot's own when ``create_slot``."""
 
-    def __init__(self, config: PipelineConfig, store: CoordinationStore) -> None:
-        self._conn: psycopg.Connection = connect(config.source, replication=True)
-        created = create_slot_with_snapshot(self._conn, config.replication.slot)
-        store.record_slot_created(created.consistent_point)
-        self.snapshot_name = created.snapshot_name
-        self.consistent_point = created.consistent_point
+    def __init__(self, config: PipelineConfig, store: CoordinationStore, create_slot: bool) -> None:
+        if create_slot:
+            self._conn: psycopg.Connection = connect(config.source, replication=True)
+            created = create_slot_with_snapshot(self._conn, config.replication.slot)
+            store.record_slot_created(created.consistent_point)
+            name, lsn_bound = created.snapshot_name, created.consistent_point
+        else:
+            self._conn = connect(config.source)
+            self._conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            # One statement: the snapshot is taken first, so every change it shows is below the position.
+            row = self._conn.execute("SELECT pg_export_snapshot(), pg_current_wal_insert_lsn()::text").fetchone()
+            assert row is not None
+            name, lsn_bound = row[0], parse_lsn(row[1])
+        with connect(config.source) as probe:
+            text = exported_snapshot_text(probe, name)
+        self.advertised = AdvertisedSnapshot(name, store.begin_epoch(text, lsn_bound))
 
     def close(self) -> None:
         self._conn.close()
@@ -49,74 +77,136 @@ class SnapshotHolder:
         self.close()
 
 
+def snapshot_importable(target: PostgresConnection, snapshot_name: str) -> bool:
+    """True while the exported snapshot ``snapshot_name`` can still be imported."""
+    with connect(target) as conn:
+        try:
+            exported_snapshot_text(conn, snapshot_name)
+            return True
+        except psycopg.errors.InvalidParameterValue:  # "invalid snapshot identifier": its exporter is gone
+            return False
+
+
+def _try_lock(conn: psycopg.Connection, key: int) -> bool:
+    row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+    return bool(row and row[0])
+
+
+def _workers_running(conn: psycopg.Connection, config: PipelineConfig) -> bool:
+    """True while some snapshot process holds the worker lock."""
+    if not _try_lock(conn, worker_lock_key(config)):
+        return True
+    conn.execute("SELECT pg_advisory_unlock(%s)", (worker_lock_key(config),))
+    return False
+
+
 def hold_snapshot(
     config: PipelineConfig, stop: threading.Event | None = None, max_seconds: float = 6 * 3600, poll: float = 1.0
 ) -> bool:
-    """Create the slot, advertise its exported snapshot, and hold it until every table is snapshotted.
+    """Export a snapshot (creating the slot if it does not exist), advertise it, and hold it until
+    every table's snapshot is complete, ``stop`` is set, ``max_seconds`` pass, or no snapshot process
+    has run for ``snapshot.holder_idle_seconds``.
 
-    Returns False without doing anything when another holder runs or the slot already exists (its
-    snapshot cannot be exported again). ``max_seconds`` bounds how long the source's xmin is held back.
+    Returns False without doing anything when another holder runs or every table is complete.
     """
     from ..validation import check_startup
 
     stop = stop or threading.Event()
-    lock_conn = connect(config.state_connection)
-    try:
-        locked = lock_conn.execute("SELECT pg_try_advisory_lock(%s)", (holder_lock_key(config),)).fetchone()
-        if not locked or not locked[0]:
+    keys = {table.key for table in config.tables}
+    with connect(config.state_connection) as lock_conn:
+        if not _try_lock(lock_conn, holder_lock_key(config)):
             return False
         with CoordinationStore(config.state_connection) as store:
-            if check_startup(config, store).slot is not None:
+
+            def all_complete() -> bool:
+                states = store.table_states()
+                return all(key in states and states[key].snapshot_complete for key in keys)
+
+            create_slot = check_startup(config, store).slot is None  # also creates the coordination tables
+            if all_complete():
                 return False
-            with SnapshotHolder(config, store) as holder:
-                store.publish_exported_snapshot(holder.snapshot_name)
+            with SnapshotHolder(config, store, create_slot) as holder:
+                store.publish_exported_snapshot(holder.advertised)
                 try:
                     deadline = time.monotonic() + max_seconds
-                    keys = {table.key for table in config.tables}
-                    while not stop.is_set() and time.monotonic() < deadline:
-                        states = store.table_states()
-                        if all(key in states and states[key].snapshot_complete for key in keys):
+                    last_busy = time.monotonic()
+                    while not stop.is_set() and time.monotonic() < deadline and not all_complete():
+                        if _workers_running(lock_conn, config):
+                            last_busy = time.monotonic()
+                        elif time.monotonic() - last_busy > config.snapshot.holder_idle_seconds:
                             break
                         stop.wait(poll)
                 finally:
                     store.publish_exported_snapshot(None)
         return True
-    finally:
-        lock_conn.close()
 
 
-def spawn_holder(config_path: str, max_seconds: float, log_path: str | None = None) -> subprocess.Popen[bytes]:
-    """Start ``pg2iceberg-dagster hold-snapshot`` as a detached process that outlives the caller."""
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pg2iceberg_dagster.cli",
-            "-c",
-            config_path,
-            "hold-snapshot",
-            "--max-seconds",
-            str(max_seconds),
-        ],
+@contextlib.contextmanager
+def working_on_snapshot(config: PipelineConfig) -> Iterator[None]:
+    """Hold the shared worker lock for the duration: the holder waits while any process holds it."""
+    with connect(config.state_connection) as conn:
+        conn.execute("SELECT pg_advisory_lock_shared(%s)", (worker_lock_key(config),))
+        yield
+
+
+def spawn_holder(config_path: str, max_seconds: float) -> subprocess.Popen[bytes]:
+    """Start ``pg2iceberg-dagster hold-snapshot`` as a detached process that outlives the caller.
+
+    Its stderr goes to an unnamed temporary file (``process.stderr``), read if it exits early."""
+    errors = tempfile.TemporaryFile()  # noqa: SIM115 - handed to the child and kept on the Popen
+    process = subprocess.Popen(
+        [*HOLDER_COMMAND, "-c", config_path, "hold-snapshot", "--max-seconds", str(max_seconds)],
         stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=log,
+        stdout=subprocess.DEVNULL,
+        stderr=errors,
         start_new_session=True,
         env=os.environ.copy(),
     )
+    process.stderr = errors  # type: ignore[assignment]
+    return process
+
+
+class HolderThread(threading.Thread):
+    """:func:`hold_snapshot` in a thread of this process, until ``stop`` is set; keeps its error."""
+
+    def __init__(self, config: PipelineConfig, stop: threading.Event) -> None:
+        super().__init__(name="snapshot-holder", daemon=True)
+        self.config = config
+        self.stop = stop
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            hold_snapshot(self.config, self.stop)
+        except BaseException as exc:  # reported by holder_error to the process that waits for it
+            self.error = exc
+
+
+def holder_error(alive: HolderThread | subprocess.Popen[bytes]) -> str:
+    """Why a holder that stopped without a snapshot stopped: its error, or its stderr."""
+    if isinstance(alive, HolderThread):
+        return str(alive.error or "")
+    if alive.stderr is None:
+        return ""
+    alive.stderr.seek(0)
+    return alive.stderr.read().decode(errors="replace").strip()
 
 
 def wait_for_advertised_snapshot(
-    store: CoordinationStore, config: PipelineConfig, process: subprocess.Popen[bytes] | None, timeout: float = 120.0
-) -> str | None:
-    """Wait until a holder advertises its snapshot; None when the holder exited without one."""
+    store: CoordinationStore,
+    config: PipelineConfig,
+    alive: HolderThread | subprocess.Popen[bytes],
+    timeout: float = 300.0,
+) -> AdvertisedSnapshot | None:
+    """Wait until a holder advertises its snapshot; None when ``alive`` (the holder we started) ended
+    without one, or after ``timeout`` (creating a slot waits for running transactions to finish)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        name = store.exported_snapshot(holder_lock_key(config))
-        if name:
-            return name
-        if process is not None and process.poll() is not None:
+        advertised = store.exported_snapshot(holder_lock_key(config))
+        if advertised:
+            return advertised
+        ended = not alive.is_alive() if isinstance(alive, HolderThread) else alive.poll() is not None
+        if ended:
             return store.exported_snapshot(holder_lock_key(config))
-        time.sleep(0.2)
+        time.sleep(0.1)
     return None

@@ -1,10 +1,11 @@
-"""The initial snapshot: slot + exported snapshot, CTID chunks read in parallel, resumable.
+"""The initial snapshot: one exported snapshot, CTID chunks read in parallel, resumable chunk by chunk.
 
-Normal case: the slot is created with ``SNAPSHOT 'export'`` on a replication connection that stays
-open and idle until every chunk of every table has been read, so all tables are read at the slot's
-consistent point. After a crash the export is gone; remaining chunks read under plain REPEATABLE
-READ and are upserted by primary key (see :func:`commit_chunk`), and WAL replay from the consistent
-point converges the table.
+Every chunk of a table is read under one exported snapshot, which a holder keeps open (see
+:mod:`.holder`): the slot's own (epoch 0) or, once that was lost, a later one (a new epoch). A
+table's chunks are all of one epoch, so its Iceberg rows are one consistent read of the source: a
+snapshot process killed mid-table resumes chunk by chunk while the holder lives, and a table whose
+done chunks belong to an epoch that is gone starts again in the new one. The materializer then
+replays exactly the transactions that epoch's snapshot did not show.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -22,28 +24,33 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig
-from ..coordination.store import Chunk, CoordinationStore
-from ..errors import StartupCheckError
+from ..coordination.store import AdvertisedSnapshot, Chunk, CoordinationStore
+from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import ensure_table, table_identifier
 from ..source.catalog import SourceTable, table_pages
 from ..source.connection import connect
-from ..source.lsn import current_wal_lsn
-from ..validation import StartupReport, slot_info
+from ..validation import StartupReport
 from .chunks import (
-    EXPORTED_SNAPSHOT,
-    REPEATABLE_READ,
-    ChunkData,
     WrittenChunk,
     arrow_schema_for,
     chunk_marker,
     commit_chunks,
     committed_chunk_markers,
+    empty_for_epoch,
     plan_chunks,
     read_chunk,
     write_chunk,
 )
-from .holder import SnapshotHolder, holder_lock_key, spawn_holder, wait_for_advertised_snapshot
+from .holder import (
+    HolderThread,
+    holder_error,
+    holder_lock_key,
+    snapshot_importable,
+    spawn_holder,
+    wait_for_advertised_snapshot,
+    working_on_snapshot,
+)
 from .reader import ArrowReader
 
 ChunkCallback = Callable[[Chunk, int], None]
@@ -51,6 +58,11 @@ CHUNKS_IN_MEMORY_PER_WORKER = 4
 # While more chunks of a table are coming, its commits are at least this far apart: each commit
 # rewrites the table metadata (~25 ms of CPU, growing with snapshots), and chunks arrive faster.
 MIN_COMMIT_INTERVAL_SECONDS = 1.0
+HOLDER_MAX_SECONDS = 6 * 3600
+
+
+class SnapshotEpochError(Pg2IcebergError):
+    """The snapshot a process reads under is no longer the one its table is being read in."""
 
 
 @dataclass
@@ -58,23 +70,35 @@ class TableSnapshotResult:
     rows: int = 0
     chunks_run: int = 0
     chunks_skipped: int = 0
-    read_modes: set[str] = field(default_factory=set)
+    epoch: int | None = None
+    # The table's done chunks were of an epoch whose snapshot is gone: it started again.
+    restarted: bool = False
     complete: bool = False
 
 
 class SnapshotRunner:
-    """Plans and runs the snapshot of the configured tables that are not complete yet."""
+    """Plans and runs the snapshot of the configured tables that are not complete yet.
+
+    With ``config_path`` the holder is a detached ``hold-snapshot`` process (it outlives this one, so a
+    crash here loses no progress); without, a thread of this process.
+    """
 
     def __init__(
-        self, config: PipelineConfig, store: CoordinationStore, report: StartupReport, catalog: Catalog
+        self,
+        config: PipelineConfig,
+        store: CoordinationStore,
+        report: StartupReport,
+        catalog: Catalog,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.report = report
         self.catalog = catalog
-        self._commit_locks: dict[str, threading.RLock] = {}
+        self.config_path = config_path
         self._tables: dict[str, Table] = {}
         self._schemas: dict[str, pa.Schema] = {}
+        self._holder_thread: HolderThread | None = None
 
     def pending_tables(self) -> list[SourceTable]:
         """Configured tables whose snapshot is not complete."""
@@ -83,22 +107,45 @@ class SnapshotRunner:
             table for key, table in self.report.tables.items() if key not in states or not states[key].snapshot_complete
         ]
 
-    def plan(self, table: SourceTable, snapshot_lsn: int | None) -> list[Chunk]:
+    def plan(self, table: SourceTable) -> list[Chunk]:
         """Create the Iceberg table and store the chunk plan once; returns the stored plan."""
-        iceberg_table = ensure_table(self.catalog, self.config, table)
+        ensure_table(self.catalog, self.config, table)
         with connect(self.config.source) as conn:
             pages = table_pages(conn, table.oid)
         planned = plan_chunks(table.key, pages, self.config.snapshot.chunk_pages, self.report.server_version)
-        chunks = self.store.start_table_snapshot(
-            table.key, table.oid, table_identifier(self.config, self.config.table(table.key)), snapshot_lsn, planned
+        return self.store.start_table_snapshot(
+            table.key, table.oid, table_identifier(self.config, self.config.table(table.key)), None, planned
         )
-        committed = committed_chunk_markers(iceberg_table)
-        for chunk in chunks:
-            read_mode = committed.get(chunk_marker(chunk))
-            if not chunk.done and read_mode is not None:
-                # Committed to Iceberg before a crash, but not recorded: the marker proves it.
-                self.store.mark_chunk_done(table.key, chunk.index, 0, read_mode, None)
-        return self.store.chunks(table.key)
+
+    def enter_epoch(self, table: SourceTable, epoch: int) -> tuple[list[Chunk], bool]:
+        """Make ``epoch`` the table's snapshot epoch; returns its chunks and whether it started again.
+
+        A table already in ``epoch`` keeps its progress, and a chunk whose Iceberg commit landed just
+        before a crash is recognised by its marker. A table in an older epoch (that snapshot is gone)
+        is emptied and every chunk is read again: rows read at two moments cannot make one consistent
+        table, because a row that moved pages in between can be read twice or not at all.
+        """
+        self.plan(table)
+        iceberg = self._iceberg_table(table)
+        restarted = False
+        with self.store.table_snapshot_lock(table.key):
+            state = self.store.table_state(table.key)
+            assert state is not None
+            if state.snapshot_epoch is not None and state.snapshot_epoch > epoch:
+                raise SnapshotEpochError(
+                    f"{table.key} is being snapshotted in epoch {state.snapshot_epoch}, newer than this process's "
+                    f"snapshot (epoch {epoch}); run the snapshot again to import the newer one"
+                )
+            if state.snapshot_epoch != epoch:
+                restarted = state.snapshot_epoch is not None or any(c.done for c in self.store.chunks(table.key))
+                empty_for_epoch(iceberg, epoch)
+                self.store.restart_table_snapshot(table.key, epoch)
+            committed = committed_chunk_markers(iceberg, epoch)
+            for chunk in self.store.chunks(table.key):
+                if not chunk.done and chunk_marker(chunk) in committed:
+                    # Committed to Iceberg before a crash, but not recorded: the marker proves it.
+                    self.store.mark_chunk_done(table.key, chunk.index, 0, epoch, None)
+        return self.store.chunks(table.key), restarted
 
     def _iceberg_table(self, table: SourceTable) -> Table:
         """The table's Iceberg table, loaded once per runner (commits refresh it)."""
@@ -109,128 +156,170 @@ class SnapshotRunner:
             )
         return loaded
 
-    def read_chunk(self, reader: ArrowReader, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> ChunkData:
-        """Read one chunk as the Iceberg table's Arrow schema (only merges evolve it, after the snapshot)."""
+    def read_chunk(
+        self, reader: ArrowReader, table: SourceTable, chunk: Chunk, snapshot: AdvertisedSnapshot
+    ) -> pa.Table:
+        """Read one chunk under ``snapshot`` as the Iceberg table's Arrow schema (only merges evolve it,
+        after the snapshot)."""
         schema = self._schemas.get(table.key)
         if schema is None:
             schema = self._schemas[table.key] = arrow_schema_for(self._iceberg_table(table))
-        return read_chunk(reader, table, chunk, schema, snapshot_name)
+        try:
+            return read_chunk(reader, table, chunk, schema, snapshot.name)
+        except Pg2IcebergError as exc:
+            if self.store.exported_snapshot(holder_lock_key(self.config)) != snapshot:
+                raise Pg2IcebergError(
+                    f"{exc}. The exported snapshot of epoch {snapshot.epoch} is gone (its holder stopped). Run the "
+                    "snapshot again: finished tables stay, the others are read again under a new snapshot"
+                ) from None
+            raise
 
-    def write_chunk(self, table: SourceTable, chunk: Chunk, data: ChunkData) -> WrittenChunk:
+    def write_chunk(self, table: SourceTable, chunk: Chunk, rows: pa.Table) -> WrittenChunk:
         """Write a chunk's data files (nothing is committed yet)."""
-        return write_chunk(self._iceberg_table(table), chunk, data)
+        return write_chunk(self._iceberg_table(table), chunk, rows)
 
-    def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk]) -> list[tuple[Chunk, int]]:
+    def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk], epoch: int) -> list[tuple[Chunk, int]]:
         """Commit written chunks of one table to Iceberg in one commit, then record each as done;
-        returns each chunk with its rows."""
+        returns each chunk with its rows. Refused when the table moved to another epoch meanwhile."""
         crash_point("snapshot.mid_chunk")
-        with self._commit_locks.setdefault(table.key, threading.RLock()):
-            snapshot_id = commit_chunks(self._iceberg_table(table), batch, table.primary_key)
-        crash_point("snapshot.after_chunk_commit")
-        for written in batch:
-            self.store.mark_chunk_done(table.key, written.chunk.index, written.rows, written.read_mode, snapshot_id)
+        with self.store.table_snapshot_lock(table.key):
+            state = self.store.table_state(table.key)
+            if state is None or state.snapshot_epoch != epoch:
+                raise SnapshotEpochError(
+                    f"{table.key} started again in snapshot epoch {state.snapshot_epoch if state else '-'} while "
+                    f"this process read it in epoch {epoch}; run the snapshot again"
+                )
+            snapshot_id = commit_chunks(self._iceberg_table(table), batch, epoch)
+            crash_point("snapshot.after_chunk_commit")
+            for written in batch:
+                self.store.mark_chunk_done(table.key, written.chunk.index, written.rows, epoch, snapshot_id)
         return [(written.chunk, written.rows) for written in batch]
 
-    def run_chunk(self, table: SourceTable, chunk: Chunk, snapshot_name: str | None) -> int:
-        """Read one chunk and commit it to Iceberg; returns the rows written."""
-        with ArrowReader(self.config.source) as reader:
-            data = self.read_chunk(reader, table, chunk, snapshot_name)
-        ((_, rows),) = self.commit_chunks(table, [self.write_chunk(table, chunk, data)])
-        return rows
-
-    def run_partitions(
-        self, table_key: str, partition_keys: Iterable[str], config_path: str, holder_max_seconds: float = 6 * 3600
-    ) -> TableSnapshotResult:
+    def run_partitions(self, table_key: str, partition_keys: Iterable[str]) -> TableSnapshotResult:
         """Run the chunks named by partition keys (``ctid_000000_002048``...) of one table.
 
-        For runs in separate processes (Dagster): when the slot does not exist yet, a holder process
-        is started to create it and keep its exported snapshot open for every chunk run that follows;
-        otherwise the snapshot a live holder advertises is imported, or, with no holder left (after a
-        crash), chunks read under REPEATABLE READ and are upserted.
+        For runs in separate processes (Dagster): the snapshot a live holder advertises is imported,
+        or a holder process is started first (it creates the slot on the first run).
         """
         table = self.report.tables[table_key]
-        chunks = {chunk.partition_key: chunk for chunk in self.store.chunks(table_key) or self.plan(table, None)}
-        unknown = sorted(set(partition_keys) - chunks.keys())
+        wanted = list(partition_keys)
+        known = {chunk.partition_key for chunk in self.store.chunks(table_key) or self.plan(table)}
+        unknown = sorted(set(wanted) - known)
         if unknown:
-            raise ValueError(f"{table_key}: unknown chunk partitions {unknown}; the chunk plan has {sorted(chunks)}")
+            raise ValueError(f"{table_key}: unknown chunk partitions {unknown}; the chunk plan has {sorted(known)}")
         result = TableSnapshotResult()
-        pending = [chunks[key] for key in partition_keys if not chunks[key].done]
-        result.chunks_skipped = len(list(partition_keys)) - len(pending)
-        if pending:
-            snapshot_name = self.advertised_snapshot()
-            if snapshot_name is None and slot_info_missing(self.config):
-                process = spawn_holder(config_path, holder_max_seconds)
-                snapshot_name = wait_for_advertised_snapshot(self.store, self.config, process)
-                if snapshot_name is None and slot_info_missing(self.config):
-                    # Reading now would leave these rows with no WAL to replay the changes after them.
-                    raise StartupCheckError(
-                        f"the snapshot holder (`pg2iceberg-dagster -c {config_path} hold-snapshot`) exited without "
-                        f"creating replication slot {self.config.replication.slot}; no chunk is read without it. "
-                        "Run that command by hand to see why, then retry the chunk runs"
-                    )
-            self.run_chunks([(table, chunk) for chunk in pending], snapshot_name, {table_key: result})
+        state = self.store.table_state(table_key)
+        if state is not None and state.snapshot_complete:
+            result.chunks_skipped, result.epoch, result.complete = len(wanted), state.snapshot_epoch, True
+            return result
+        with self.holding_snapshot() as snapshot:
+            chunks, result.restarted = self.enter_epoch(table, snapshot.epoch)
+            by_key = {chunk.partition_key: chunk for chunk in chunks}
+            pending = [by_key[key] for key in wanted if not by_key[key].done]
+            result.chunks_skipped, result.epoch = len(wanted) - len(pending), snapshot.epoch
+            if pending:
+                self.run_chunks([(table, chunk) for chunk in pending], snapshot, {table_key: result})
         result.complete = self.complete_if_done(table_key)
         return result
 
     def complete_if_done(self, table_key: str) -> bool:
-        """Mark the table's snapshot complete once every chunk is done."""
-        if all(chunk.done for chunk in self.store.chunks(table_key)):
-            with connect(self.config.source) as conn:
-                self.store.mark_snapshot_complete(table_key, current_wal_lsn(conn))
+        """Mark the table's snapshot complete once every chunk is done in the table's epoch."""
+        state = self.store.table_state(table_key)
+        chunks = self.store.chunks(table_key)
+        if state is not None and chunks and all(c.done and c.epoch == state.snapshot_epoch for c in chunks):
+            self.store.mark_snapshot_complete(table_key)
             return True
         return False
 
     def run(
         self, on_chunk: ChunkCallback | None = None, on_plan: Callable[[int], None] | None = None
     ) -> dict[str, TableSnapshotResult]:
-        """Snapshot every pending table; the exported snapshot is held until all chunks are read."""
+        """Snapshot every pending table under one exported snapshot."""
         pending = self.pending_tables()
         results = {table.key: TableSnapshotResult() for table in pending}
         if not pending:
             return results
-        holder = SnapshotHolder(self.config, self.store) if self.report.slot is None else None
-        try:
-            snapshot_name = holder.snapshot_name if holder else self.advertised_snapshot()
+        with self.holding_snapshot() as snapshot:
             work: list[tuple[SourceTable, Chunk]] = []
             for table in pending:
-                for chunk in self.plan(table, holder.consistent_point if holder else None):
+                chunks, restarted = self.enter_epoch(table, snapshot.epoch)
+                result = results[table.key]
+                result.epoch, result.restarted = snapshot.epoch, restarted
+                for chunk in chunks:
                     if chunk.done:
-                        results[table.key].chunks_skipped += 1
+                        result.chunks_skipped += 1
                     else:
                         work.append((table, chunk))
             if on_plan:
                 on_plan(len(work))
-            self.run_chunks(work, snapshot_name, results, on_chunk)
-        finally:
-            if holder:
-                holder.close()
+            self.run_chunks(work, snapshot, results, on_chunk)
         for table in pending:
             results[table.key].complete = self.complete_if_done(table.key)
         return results
 
-    def advertised_snapshot(self) -> str | None:
-        """The exported snapshot a holder process keeps open, if one does."""
-        return self.store.exported_snapshot(holder_lock_key(self.config))
+    def _live_advertised_snapshot(self, timeout: float = 30.0) -> AdvertisedSnapshot | None:
+        """The advertised snapshot if it can still be imported. A holder killed a moment ago may still
+        look alive (its sessions end when the server notices): wait for that, then report none."""
+        advertised = self.store.exported_snapshot(holder_lock_key(self.config))
+        if advertised is None or snapshot_importable(self.config.source, advertised.name):
+            return advertised
+        deadline = time.monotonic() + timeout
+        while self.store.holder_alive(self.config.replication.slot) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+
+    @contextmanager
+    def holding_snapshot(self) -> Iterator[AdvertisedSnapshot]:
+        """The exported snapshot to read under, while this process counts as a snapshot worker.
+
+        A live holder's snapshot is imported; otherwise a holder is started (a detached process with
+        ``config_path``, else a thread that stops on leaving) and its snapshot is awaited.
+        """
+        with working_on_snapshot(self.config):
+            advertised = self._live_advertised_snapshot()
+            if advertised is not None:
+                yield advertised
+                return
+            stop = threading.Event()
+            alive: HolderThread | Any
+            if self.config_path:
+                alive = spawn_holder(self.config_path, HOLDER_MAX_SECONDS)
+            else:
+                alive = HolderThread(self.config, stop)
+                alive.start()
+            try:
+                advertised = wait_for_advertised_snapshot(self.store, self.config, alive)
+                if advertised is None:
+                    reason = holder_error(alive)
+                    raise StartupCheckError(
+                        "no exported snapshot to read under: the snapshot holder "
+                        f"(`pg2iceberg-dagster hold-snapshot`) stopped without one{': ' + reason if reason else ''}. "
+                        "Run that command by hand to see why, then run the snapshot again"
+                    )
+                yield advertised
+            finally:
+                stop.set()
+                if isinstance(alive, HolderThread):
+                    alive.join()
 
     def run_chunks(
         self,
         work: Sequence[tuple[SourceTable, Chunk]],
-        snapshot_name: str | None,
+        snapshot: AdvertisedSnapshot,
         results: dict[str, TableSnapshotResult],
         on_chunk: ChunkCallback | None = None,
     ) -> None:
-        """Run chunks, adding to ``results``; the first failure cancels what has not started and is raised.
+        """Run chunks under ``snapshot``, adding to ``results``; the first failure cancels what has not
+        started and is raised.
 
         Three stages overlap: up to ``snapshot.parallelism`` chunks are read at once, as many are
         written as data files, and one committer commits every chunk of a table written by then in
         one Iceberg commit (group commit), so neither the source connections nor the file writers
         wait for commits. Commits do not multiply with chunks: while more chunks of a table are
         coming, they are ``MIN_COMMIT_INTERVAL_SECONDS`` apart. At most
-        ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are held in memory (a chunk read
-        under REPEATABLE READ stays there until its upsert commits).
+        ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are read and not yet written.
         """
         parallelism = self.config.snapshot.parallelism
-        mode = EXPORTED_SNAPSHOT if snapshot_name else REPEATABLE_READ
         held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
         ready: dict[str, list[WrittenChunk]] = {}
         ready_changed = threading.Condition()  # guards ready, unwritten and last_commit
@@ -245,25 +334,18 @@ class SnapshotRunner:
         ):
 
             def commit_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
-                # REPEATABLE READ chunks hold their memory until committed: those are not held back.
                 with ready_changed:
                     previous = last_commit.get(table.key)
-                    if previous is not None and mode == EXPORTED_SNAPSHOT:
+                    if previous is not None:
                         deadline = previous + MIN_COMMIT_INTERVAL_SECONDS
                         ready_changed.wait_for(
                             lambda: unwritten[table.key] == 0 or time.monotonic() >= deadline,
                             timeout=max(0.0, deadline - time.monotonic()),
                         )
-                with ready_changed:
                     batch = ready.pop(table.key, [])
                     if batch:
                         last_commit[table.key] = time.monotonic()
-                try:
-                    return self.commit_chunks(table, batch) if batch else []
-                finally:
-                    for written in batch:
-                        if written.pending_rows is not None:
-                            held.release()
+                return self.commit_chunks(table, batch, snapshot.epoch) if batch else []
 
             def hand_over(table: SourceTable, written: WrittenChunk | None) -> None:
                 """Give a written chunk (None: its write failed) to the committer's pile."""
@@ -274,14 +356,13 @@ class SnapshotRunner:
                     if unwritten[table.key] == 0:
                         ready_changed.notify_all()
 
-            def write_then_hand_over(table: SourceTable, chunk: Chunk, data: ChunkData) -> Future[Any]:
+            def write_then_hand_over(table: SourceTable, chunk: Chunk, rows: pa.Table) -> Future[Any]:
                 try:
-                    written = self.write_chunk(table, chunk, data)
+                    written = self.write_chunk(table, chunk, rows)
                 except BaseException:
-                    held.release()
                     hand_over(table, None)
                     raise
-                if written.pending_rows is None:
+                finally:
                     held.release()
                 hand_over(table, written)
                 return committers.submit(commit_ready, table)
@@ -289,11 +370,11 @@ class SnapshotRunner:
             def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[Any]:
                 held.acquire()
                 try:
-                    data = self.read_chunk(reader, table, chunk, snapshot_name)
+                    rows = self.read_chunk(reader, table, chunk, snapshot)
                 except BaseException:
                     held.release()
                     raise
-                return writers.submit(write_then_hand_over, table, chunk, data)
+                return writers.submit(write_then_hand_over, table, chunk, rows)
 
             reads = [readers.submit(read_then_hand_over, table, chunk) for table, chunk in work]
             pending: set[Future[Any]] = set(reads)
@@ -309,18 +390,11 @@ class SnapshotRunner:
                             result = results[chunk.table_name]
                             result.rows += rows
                             result.chunks_run += 1
-                            result.read_modes.add(mode)
                             if on_chunk:
                                 on_chunk(chunk, rows)
             except BaseException:
                 # Reads not started are dropped; chunks already read are still written and committed
-                # (they are valid progress, and each frees memory for the readers left).
+                # (they are valid progress).
                 for future in reads:
                     future.cancel()
                 raise
-
-
-def slot_info_missing(config: PipelineConfig) -> bool:
-    """True while the replication slot does not exist (its snapshot can still be exported)."""
-    with connect(config.source) as conn:
-        return slot_info(conn, config.replication.slot) is None

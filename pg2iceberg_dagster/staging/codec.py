@@ -121,15 +121,19 @@ def encode_columns(
     return sink.getvalue()
 
 
-def decode(data: bytes) -> tuple[StagedRelation, list[Change]]:
-    """Parquet bytes -> (relation, changes in log order)."""
+def read_staged(data: bytes) -> tuple[StagedRelation, pa.Table]:
+    """A staged file as (relation, its six staging columns) without building a Python object per row."""
     table = pq.read_table(io.BytesIO(data))
     metadata = table.schema.metadata or {}
     if RELATION_METADATA_KEY not in metadata or table.schema.remove_metadata() != STAGING_SCHEMA:
         raise ValueError("not a pg2iceberg staged file (schema or relation metadata missing)")
-    relation = StagedRelation.from_json(metadata[RELATION_METADATA_KEY])
+    return StagedRelation.from_json(metadata[RELATION_METADATA_KEY]), table
+
+
+def changes_of(table: pa.Table) -> list[Change]:
+    """The staging columns (as :func:`read_staged` returns them) -> changes in log order."""
     columns = table.to_pydict()
-    changes = [
+    return [
         Change(
             op=op,
             lsn=lsn,
@@ -148,4 +152,9 @@ def decode(data: bytes) -> tuple[StagedRelation, list[Change]]:
             strict=True,
         )
     ]
-    return relation, changes
+
+
+def decode(data: bytes) -> tuple[StagedRelation, list[Change]]:
+    """Parquet bytes -> (relation, changes in log order)."""
+    relation, table = read_staged(data)
+    return relation, changes_of(table)
