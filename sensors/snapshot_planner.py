@@ -1,8 +1,18 @@
-"""Plans each table's CTID chunks (from its page count) and adds them as dynamic partitions; a chunk
-that must be read again (its table started over in a new snapshot epoch) loses its materialization,
-so the automation takes it again."""
+"""Plans each table's CTID chunks (from its page count) and adds them as dynamic partitions; chunks that
+must be read again (their table started over in a new snapshot epoch, though Dagster shows them
+materialized) are requested as one ranged run, which skips the chunks already done."""
 
-from dagster import DefaultSensorStatus, SensorDefinition, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import (
+    AssetSelection,
+    DefaultSensorStatus,
+    RunRequest,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.tables import partitions_def
 from assets.translator import Pg2IcebergTranslator
@@ -14,11 +24,13 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
         name="pg2iceberg_snapshot_planner",
         minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Stores each table's CTID chunk plan once and exposes it as snapshot partitions.",
+        description="Stores each table's CTID chunk plan once and exposes it as snapshot partitions; "
+        "reruns chunks whose table started over under a new exported snapshot.",
+        asset_selection=AssetSelection.assets(*[translator.snapshot_key(t) for t in translator.config.tables]),
     )
     def _planner(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         requests = []
-        wiped: list[str] = []
+        runs = []
         with pg2iceberg.pipeline() as pipeline:
             runner = pipeline.snapshot_runner()
             for table in translator.config.tables:
@@ -29,16 +41,22 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
                 if new:
                     requests.append(partitions.build_add_request(new))
                 key = translator.snapshot_key(table)
-                redo = context.instance.get_materialized_partitions(key) & {
-                    c.partition_key for c in chunks if not c.done
-                }
-                if redo:
-                    context.instance.wipe_asset_partitions(key, sorted(redo))
-                    wiped.append(f"{table.key}: {len(redo)}")
-        if wiped:
-            context.log.info(f"chunks to read again in a new snapshot epoch: {', '.join(wiped)}")
-        if not requests:
+                materialized = context.instance.get_materialized_partitions(key)
+                redo = [chunk for chunk in chunks if not chunk.done and chunk.partition_key in materialized]
+                state = pipeline.store.table_state(table.key)
+                if redo and state is not None:
+                    runs.append(
+                        RunRequest(
+                            run_key=f"{table.key}:epoch-{state.snapshot_epoch}:read-again",
+                            asset_selection=[key],
+                            tags={
+                                ASSET_PARTITION_RANGE_START_TAG: redo[0].partition_key,
+                                ASSET_PARTITION_RANGE_END_TAG: redo[-1].partition_key,
+                            },
+                        )
+                    )
+        if not requests and not runs:
             return SkipReason("every table's chunk partitions are registered")
-        return SensorResult(dynamic_partitions_requests=requests)
+        return SensorResult(dynamic_partitions_requests=requests, run_requests=runs)
 
     return _planner

@@ -15,13 +15,14 @@ import psycopg
 
 TABLE = "public.busy"
 KEY_SHIFT = 10_000_000  # a changed key moves above every original one
+APPLICATION_NAME = "pg2iceberg-busy-writes"  # how the workload's session shows in pg_stat_activity
 
 
 class BusyTable:
     """Creates ``public.busy`` in the database at ``conninfo`` and writes to it one transaction a step."""
 
     def __init__(self, conninfo: str, seed: int, rows: int) -> None:
-        self.conn = psycopg.connect(conninfo, autocommit=True)
+        self.conn = psycopg.connect(conninfo, autocommit=True, application_name=APPLICATION_NAME)
         self.rng = random.Random(seed)
         self.rows = rows
         self.next_id = rows + 1

@@ -9,15 +9,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from dagster import AssetKey, DagsterInstance, SensorResult, build_sensor_context
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from definitions import build_definitions
 from pg2iceberg_dagster.faults import CRASH_ENV
 from resources import Pg2IcebergResource, SparkResource
+from soak.busy import APPLICATION_NAME, BusyTable
 
 from .conftest import SourceDb, assert_mirrored
 
@@ -26,20 +30,40 @@ REPO = Path(__file__).resolve().parent.parent
 DAGSTER = Path(sys.executable).parent / "dagster"
 
 
-def _dagster(args: list[str], config_path: str, home: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
+def _dagster_process(args: list[str], config_path: str, home: Path, crash_at: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
     env.update({"PG2ICEBERG_CONFIG": config_path, "DAGSTER_HOME": str(home)})
     if crash_at:
         env[CRASH_ENV] = crash_at
-    return subprocess.run(
+    return subprocess.Popen(
         [str(DAGSTER), *args, "-m", "definitions"],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
         stdin=subprocess.DEVNULL,
     )
+
+
+def _dagster(args: list[str], config_path: str, home: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    process = _dagster_process(args, config_path, home, crash_at)
+    stdout, stderr = process.communicate(timeout=900)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _planned_instance(defs: Any, home: Path, config_path: Path) -> DagsterInstance:
+    """The Dagster instance at ``home`` once the planner sensor registered the chunk partitions."""
+    pg2iceberg = Pg2IcebergResource(config_path=str(config_path))
+    resources = {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
+    instance = DagsterInstance.from_config(str(home))
+    planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
+    with build_sensor_context(instance=instance, resources=resources) as context:
+        planned = planner(context)
+    if isinstance(planned, SensorResult):
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return instance
 
 
 def test_killed_snapshot_run_merge_run_and_flusher_tick_converge(source: SourceDb, tmp_path: Path) -> None:
@@ -54,15 +78,7 @@ def test_killed_snapshot_run_merge_run_and_flusher_tick_converge(source: SourceD
     defs = build_definitions(str(config_path))
     snapshot_key = AssetKey(["iceberg", f"{source.name}_public", "orders_snapshot"])
     live = "/".join(["iceberg", f"{source.name}_public", "orders"])
-    pg2iceberg = Pg2IcebergResource(config_path=str(config_path))
-    resources = {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
-    with DagsterInstance.from_config(str(home)) as instance:
-        planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
-        with build_sensor_context(instance=instance, resources=resources) as context:
-            planned = planner(context)
-        assert isinstance(planned, SensorResult)
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    with _planned_instance(defs, home, config_path) as instance:
         keys = defs.resolve_assets_def(snapshot_key).partitions_def.get_partition_keys(
             dynamic_partitions_store=instance
         )
@@ -105,4 +121,92 @@ def test_killed_snapshot_run_merge_run_and_flusher_tick_converge(source: SourceD
     assert pipeline.store.mat_cursor("default", "public.orders") == 0
     ran = _dagster(["asset", "materialize", "--select", live], str(config_path), home)
     assert ran.returncode == 0, ran.stderr[-3000:]
+    assert_mirrored(pipeline)
+
+
+def test_chunk_runs_killed_and_holder_lost_under_busy_writes_converge(source: SourceDb, tmp_path: Path) -> None:
+    """Busy writes throughout. Two chunk runs at once: one is SIGKILLed after its Iceberg commit while
+    the other goes on under the same exported snapshot. Then the holder's sessions die: the next chunk
+    run starts the table again in a new epoch, the planner sensor takes back the materializations of
+    chunks done in the lost one, and running the chunk partitions again converges."""
+    setup = BusyTable(source.conninfo, 21, 30_000)
+    setup.create()
+    setup.close()
+    config = source.config(["public.busy"], snapshot={"chunk_pages": 16, "parallelism": 1})
+    config_path = tmp_path / "pg2iceberg.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    defs = build_definitions(str(config_path))
+    snapshot_key = AssetKey(["iceberg", f"{source.name}_public", "busy_snapshot"])
+    select = "/".join(snapshot_key.path)
+    with _planned_instance(defs, home, config_path) as instance:
+        keys = defs.resolve_assets_def(snapshot_key).partitions_def.get_partition_keys(
+            dynamic_partitions_store=instance
+        )
+    assert len(keys) >= 6
+    busy = BusyTable(source.conninfo, 21, 30_000)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            busy.step()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        killed = _dagster_process(
+            ["asset", "materialize", "--select", select, "--partition", keys[0]],
+            str(config_path),
+            home,
+            "snapshot.after_chunk_commit",
+        )
+        goes_on = _dagster_process(
+            ["asset", "materialize", "--select", select, "--partition-range", f"{keys[1]}...{keys[2]}"],
+            str(config_path),
+            home,
+        )
+        assert killed.wait(600) != 0
+        assert goes_on.wait(600) == 0, goes_on.communicate()[1][-3000:]
+        chunks = source.pipeline(config).store.chunks("public.busy")
+        assert [c.done for c in chunks[:3]] == [False, True, True] and {c.epoch for c in chunks if c.done} == {0}
+
+        # The holder's sessions end (as when its host dies): its exported snapshot is gone.
+        source.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid() "
+            "AND application_name <> %s",
+            (source.name, APPLICATION_NAME),
+        )
+        ran = _dagster(["asset", "materialize", "--select", select, "--partition", keys[3]], str(config_path), home)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        chunks = source.pipeline(config).store.chunks("public.busy")
+        assert [c.index for c in chunks if c.done] == [3] and chunks[3].epoch == 1
+
+        # The planner asks for chunks 1 and 2 again (Dagster shows them materialized), as one ranged run.
+        planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
+        pg2iceberg = Pg2IcebergResource(config_path=str(config_path))
+        with (
+            DagsterInstance.from_config(str(home)) as instance,
+            build_sensor_context(instance=instance, resources={"pg2iceberg": pg2iceberg}) as context,
+        ):
+            planned = planner(context)
+        assert isinstance(planned, SensorResult) and len(planned.run_requests) == 1
+        tags = planned.run_requests[0].tags
+        assert (tags[ASSET_PARTITION_RANGE_START_TAG], tags[ASSET_PARTITION_RANGE_END_TAG]) == (keys[1], keys[2])
+        ran = _dagster(
+            ["asset", "materialize", "--select", select, "--partition-range", f"{keys[0]}...{keys[-1]}"],
+            str(config_path),
+            home,
+        )
+        assert ran.returncode == 0, ran.stderr[-3000:]
+    finally:
+        stop.set()
+        writer.join()
+        busy.close()
+    pipeline = source.pipeline(config)
+    state = pipeline.store.table_state("public.busy")
+    assert state is not None and state.snapshot_complete and state.snapshot_epoch == 1
+    pipeline.stream(until_caught_up=True)
+    pipeline.materialize()
     assert_mirrored(pipeline)

@@ -123,6 +123,7 @@ def hold_snapshot(
                 return all(key in states and states[key].snapshot_complete for key in keys)
 
             create_slot = check_startup(config, store).slot is None  # also creates the coordination tables
+            store.publish_exported_snapshot(None)  # what a killed holder advertised is void
             if all_complete():
                 return False
             with SnapshotHolder(config, store, create_slot) as holder:
@@ -202,11 +203,13 @@ def wait_for_advertised_snapshot(
     without one, or after ``timeout`` (creating a slot waits for running transactions to finish)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        advertised = store.exported_snapshot(holder_lock_key(config))
-        if advertised:
-            return advertised
         ended = not alive.is_alive() if isinstance(alive, HolderThread) else alive.poll() is not None
+        advertised = store.exported_snapshot(holder_lock_key(config))
+        # A holder killed before it could withdraw its advertisement leaves it behind: only an
+        # importable one is the new holder's.
+        if advertised and snapshot_importable(config.source, advertised.name):
+            return advertised
         if ended:
-            return store.exported_snapshot(holder_lock_key(config))
+            return None
         time.sleep(0.1)
     return None
