@@ -10,17 +10,18 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from dagster import AssetKey, DagsterInstance, SensorResult, build_sensor_context
+from dagster import AssetKey, DagsterInstance, Definitions, SensorResult, build_sensor_context
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from definitions import build_definitions
+from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.faults import CRASH_ENV
-from resources import Pg2IcebergResource, SparkResource
+from resources import Pg2IcebergResource
 from soak.busy import APPLICATION_NAME, BusyTable
 
 from .conftest import SourceDb, assert_mirrored
@@ -52,36 +53,54 @@ def _dagster(args: list[str], config_path: str, home: Path, crash_at: str | None
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def _planned_instance(defs: Any, home: Path, config_path: Path) -> DagsterInstance:
-    """The Dagster instance at ``home`` once the planner sensor registered the chunk partitions."""
-    pg2iceberg = Pg2IcebergResource(config_path=str(config_path))
-    resources = {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
-    instance = DagsterInstance.from_config(str(home))
-    planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
-    with build_sensor_context(instance=instance, resources=resources) as context:
-        planned = planner(context)
-    if isinstance(planned, SensorResult):
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-    return instance
+@dataclass
+class Deployment:
+    """A pipeline config file and a Dagster home for one table, with its chunk partitions planned."""
+
+    config: PipelineConfig
+    config_path: Path
+    home: Path
+    defs: Definitions
+    snapshot_key: AssetKey
+    chunk_keys: list[str]
 
 
-def test_killed_snapshot_run_merge_run_and_flusher_tick_converge(source: SourceDb, tmp_path: Path) -> None:
-    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
-    source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, 3000) g")
-    config = source.config(["public.orders"], snapshot={"chunk_pages": 8, "parallelism": 1})
+def _deploy(source: SourceDb, tmp_path: Path, table: str, chunk_pages: int) -> Deployment:
+    config = source.config([f"public.{table}"], snapshot={"chunk_pages": chunk_pages, "parallelism": 1})
     config_path = tmp_path / "pg2iceberg.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     home = tmp_path / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     defs = build_definitions(str(config_path))
-    snapshot_key = AssetKey(["iceberg", f"{source.name}_public", "orders_snapshot"])
-    live = "/".join(["iceberg", f"{source.name}_public", "orders"])
-    with _planned_instance(defs, home, config_path) as instance:
+    snapshot_key = AssetKey(["iceberg", f"{source.name}_public", f"{table}_snapshot"])
+    with DagsterInstance.from_config(str(home)) as instance:
+        planned = _planner_tick(defs, instance, config_path)
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
         keys = defs.resolve_assets_def(snapshot_key).partitions_def.get_partition_keys(
             dynamic_partitions_store=instance
         )
+    return Deployment(config, config_path, home, defs, snapshot_key, list(keys))
+
+
+def _planner_tick(defs: Definitions, instance: DagsterInstance, config_path: Path) -> SensorResult:
+    planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
+    with build_sensor_context(
+        instance=instance, resources={"pg2iceberg": Pg2IcebergResource(config_path=str(config_path))}
+    ) as context:
+        planned = planner(context)
+    assert isinstance(planned, SensorResult)
+    return planned
+
+
+def test_killed_snapshot_run_merge_run_and_flusher_tick_converge(source: SourceDb, tmp_path: Path) -> None:
+    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, 3000) g")
+    deployment = _deploy(source, tmp_path, "orders", 8)
+    config, config_path, home, keys = deployment.config, deployment.config_path, deployment.home, deployment.chunk_keys
+    snapshot_key = deployment.snapshot_key
+    live = "/".join(["iceberg", f"{source.name}_public", "orders"])
     assert len(keys) >= 2
     select = "/".join(snapshot_key.path)
 
@@ -132,19 +151,9 @@ def test_chunk_runs_killed_and_holder_lost_under_busy_writes_converge(source: So
     setup = BusyTable(source.conninfo, 21, 30_000)
     setup.create()
     setup.close()
-    config = source.config(["public.busy"], snapshot={"chunk_pages": 16, "parallelism": 1})
-    config_path = tmp_path / "pg2iceberg.yaml"
-    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    defs = build_definitions(str(config_path))
-    snapshot_key = AssetKey(["iceberg", f"{source.name}_public", "busy_snapshot"])
-    select = "/".join(snapshot_key.path)
-    with _planned_instance(defs, home, config_path) as instance:
-        keys = defs.resolve_assets_def(snapshot_key).partitions_def.get_partition_keys(
-            dynamic_partitions_store=instance
-        )
+    deployment = _deploy(source, tmp_path, "busy", 16)
+    config, config_path, home, keys = deployment.config, deployment.config_path, deployment.home, deployment.chunk_keys
+    select = "/".join(deployment.snapshot_key.path)
     assert len(keys) >= 6
     busy = BusyTable(source.conninfo, 21, 30_000)
     stop = threading.Event()
@@ -184,14 +193,9 @@ def test_chunk_runs_killed_and_holder_lost_under_busy_writes_converge(source: So
         assert [c.index for c in chunks if c.done] == [3] and chunks[3].epoch == 1
 
         # The planner asks for chunks 1 and 2 again (Dagster shows them materialized), as one ranged run.
-        planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
-        pg2iceberg = Pg2IcebergResource(config_path=str(config_path))
-        with (
-            DagsterInstance.from_config(str(home)) as instance,
-            build_sensor_context(instance=instance, resources={"pg2iceberg": pg2iceberg}) as context,
-        ):
-            planned = planner(context)
-        assert isinstance(planned, SensorResult) and len(planned.run_requests) == 1
+        with DagsterInstance.from_config(str(home)) as instance:
+            planned = _planner_tick(deployment.defs, instance, config_path)
+        assert len(planned.run_requests) == 1
         tags = planned.run_requests[0].tags
         assert (tags[ASSET_PARTITION_RANGE_START_TAG], tags[ASSET_PARTITION_RANGE_END_TAG]) == (keys[1], keys[2])
         ran = _dagster(
