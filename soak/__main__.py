@@ -1,5 +1,6 @@
 """The on-demand soak: ``python -m soak --seeds 200 [--first 1] [--report soak-report.json]``;
-``--shape snapshot-crash`` runs the snapshot-crash scenarios (``soak.snapshot_crash``) instead.
+``--shape snapshot-crash`` runs the snapshot-crash scenarios (``soak.snapshot_crash``) instead, and
+``--shape dagster-snapshot-crash`` their Dagster form (``soak.dagster_snapshot_crash``).
 
 Starts its own PostgreSQL (temporary directory, free port) and one Spark session, runs each seed's
 scenario (see ``soak.runner``), prints one line per seed and writes the JSON report. Exit code 1 when
@@ -22,6 +23,7 @@ from pg2iceberg_dagster.config import parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.materializer.spark import build_spark_session
 
+from .dagster_snapshot_crash import DagsterSnapshotCrashProfile, run_dagster_snapshot_crash_scenario
 from .runner import Cluster, Profile, ScenarioResult, run_scenario, summarize
 from .snapshot_crash import SnapshotCrashProfile, run_snapshot_crash_scenario
 
@@ -48,18 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-writes", type=int, default=Profile.stream_writes, help="transactions per seed")
     parser.add_argument(
         "--shape",
-        choices=["mixed", "snapshot-crash"],
+        choices=["mixed", "snapshot-crash", "dagster-snapshot-crash"],
         default="mixed",
         help="mixed: every fault over a workload of every type; snapshot-crash: a large busy table whose "
-        "snapshot (and holder) is killed again and again",
+        "snapshot (and holder) is killed again and again; dagster-snapshot-crash: the same through Dagster "
+        "chunk runs, one killed while another goes on",
     )
-    parser.add_argument("--busy-rows", type=int, default=SnapshotCrashProfile.busy_rows, help="snapshot-crash rows")
+    parser.add_argument("--busy-rows", type=int, help="rows of the busy table (snapshot-crash shapes)")
     args = parser.parse_args(argv)
-    profile: Profile | SnapshotCrashProfile = (
-        Profile(stream_writes=args.stream_writes)
-        if args.shape == "mixed"
-        else SnapshotCrashProfile(busy_rows=args.busy_rows)
-    )
+    profile: Profile | SnapshotCrashProfile | DagsterSnapshotCrashProfile
+    if args.shape == "mixed":
+        profile = Profile(stream_writes=args.stream_writes)
+    elif args.shape == "snapshot-crash":
+        profile = SnapshotCrashProfile(busy_rows=args.busy_rows or SnapshotCrashProfile.busy_rows)
+    else:
+        profile = DagsterSnapshotCrashProfile(busy_rows=args.busy_rows or DagsterSnapshotCrashProfile.busy_rows)
     results: list[ScenarioResult] = []
     interrupt = _Interrupt()
     signal.signal(signal.SIGINT, interrupt)
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_seeds(
     args: argparse.Namespace,
-    profile: Profile | SnapshotCrashProfile,
+    profile: Profile | SnapshotCrashProfile | DagsterSnapshotCrashProfile,
     results: list[ScenarioResult],
     interrupt: _Interrupt,
 ) -> None:
@@ -106,6 +111,8 @@ def _run_seeds(
                 for seed in range(args.first, args.first + args.seeds):
                     if isinstance(profile, SnapshotCrashProfile):
                         result = run_snapshot_crash_scenario(cluster, root / "runs", seed, spark, profile)
+                    elif isinstance(profile, DagsterSnapshotCrashProfile):
+                        result = run_dagster_snapshot_crash_scenario(cluster, root / "runs", seed, spark, profile)
                     else:
                         result = run_scenario(cluster, root / "runs", seed, spark, profile)
                     if interrupt.received:
