@@ -46,7 +46,7 @@ class DagsterSnapshotCrashProfile:
     busy_rows: int = 100_000
     chunk_pages: tuple[int, ...] = (16, 32)
     rounds: tuple[int, int] = (1, 3)
-    holder_loss_rate: float = 0.3  # per round
+    holder_loss_rate: float = 0.4  # per round
 
 
 class DagsterSnapshotCrashScenario:
