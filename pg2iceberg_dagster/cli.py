@@ -167,8 +167,11 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
         return 0
     slot = status["slot"]
     print(f"slot: {json.dumps(slot) if slot else 'not created'}; flushed_lsn: {status['flushed_lsn']}")
+    if status["snapshot_holder"]:
+        print(f"snapshot holder: keeps the exported snapshot of epoch {status['snapshot_holder']['epoch']} open")
     for t in status["tables"]:
         snap = "complete" if t.snapshot_complete else f"{t.chunks_done}/{t.chunks_total} chunks"
+        snap += f" (epoch {t.snapshot_epoch})" if t.snapshot_epoch is not None else ""
         print(f"{t.table}: snapshot {snap}; staged log head {t.log_head}, mat_cursor {t.mat_cursor}, lag {t.lag}")
     return 0
 

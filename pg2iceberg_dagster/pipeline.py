@@ -20,6 +20,7 @@ from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
+from .snapshot.holder import holder_lock_key
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.connection import connect
 from .source.lsn import format_lsn
@@ -37,6 +38,7 @@ class TableStatus:
     chunks_total: int
     log_head: int
     mat_cursor: int
+    snapshot_epoch: int | None = None  # the exported snapshot the table's rows were read under
 
     @property
     def lag(self) -> int:
@@ -220,9 +222,11 @@ class Pipeline:
                     chunks_total=len(chunks),
                     log_head=self.store.log_head(table.key),
                     mat_cursor=self.store.mat_cursor(self.config.materialize.group, table.key),
+                    snapshot_epoch=state.snapshot_epoch if state else None,
                 )
             )
         flushed = self.store.flushed_lsn()
+        held = self.store.exported_snapshot(holder_lock_key(self.config))
         return {
             "slot": None
             if slot is None
@@ -232,6 +236,8 @@ class Pipeline:
                 "active_pid": slot.active_pid,
             },
             "flushed_lsn": format_lsn(flushed) if flushed is not None else None,
+            # A holder keeping an exported snapshot open (the source's xmin is held back meanwhile).
+            "snapshot_holder": {"epoch": held.epoch} if held else None,
             "tables": tables,
         }
 

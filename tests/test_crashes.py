@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pg2iceberg_dagster.config import load_config
 from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.faults import CRASH_ENV
 from pg2iceberg_dagster.pipeline import Pipeline
@@ -219,6 +220,8 @@ def test_snapshot_killed_again_and_again_under_writes_resumes_exactly(source: So
         for crash_at in ["snapshot.after_chunk_commit:1", "snapshot.mid_chunk:2", "snapshot.after_chunk_commit:2"]:
             died = _snapshot_process(path, crash_at)
             assert died.wait(300) == -signal.SIGKILL, died.stderr.read() if died.stderr else ""
+        # The holder outlived them: `status` shows it, and the next run imports its snapshot.
+        assert source.pipeline(load_config(path)).status()["snapshot_holder"] == {"epoch": 0}
 
     pipeline, busy = _snapshot_busy_table_with_deaths(source, tmp_path, 11, deaths)
     assert busy.kinds["key_change"] and busy.kinds["move_toast"], busy.kinds
