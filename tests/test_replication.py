@@ -208,3 +208,22 @@ def test_column_added_with_a_default_stops_the_merge_with_a_clear_error(source: 
     table = pipeline.catalog.load_table(f"{source.name}_public.items")
     assert "flag" not in table.schema().column_names
     assert pipeline.store.mat_cursor("default", "public.items") == 0
+
+
+def test_dates_and_timestamps_before_1582_merge_exactly(source: SourceDb) -> None:
+    """A 0001-01-01 sentinel and other pre-Gregorian values: Spark must neither refuse them
+    (READ_ANCIENT_DATETIME) nor shift them by a calendar rebase, in the snapshot and in the merge."""
+    source.execute("CREATE TABLE public.old (id int PRIMARY KEY, d date, ts timestamp, tz timestamptz, v text)")
+    source.execute(
+        "INSERT INTO public.old VALUES (1, '0001-01-01', '0001-01-01 00:00:00', '0001-01-01 00:00:00+00', 'a'), "
+        "(2, '1582-10-04', '1582-10-04 12:34:56.789', '1000-06-15 01:02:03+00', 'b'), "
+        "(3, '2024-02-29', '9999-12-31 23:59:59.999999', '1970-01-01 00:00:00+00', 'c')"
+    )
+    pipeline = source.pipeline(source.config(["public.old"]))
+    pipeline.snapshot()
+    source.execute("UPDATE public.old SET v = v || '!'")
+    source.execute(
+        "INSERT INTO public.old VALUES (4, '0100-03-01', '1200-01-01 00:00:00', '0500-07-07 07:07:07+00', 'd')"
+    )
+    sync(pipeline)
+    assert_mirrored(pipeline)

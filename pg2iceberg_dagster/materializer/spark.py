@@ -53,6 +53,13 @@ def spark_conf(config: PipelineConfig) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.shuffle.partitions": "4",
         "spark.sql.session.timeZone": "UTC",
+        # Iceberg, PostgreSQL and pyarrow all use the proleptic Gregorian calendar: Spark must not
+        # rebase dates and timestamps before 1582 from its old hybrid calendar, nor refuse them.
+        **{
+            f"spark.sql.parquet.{kind}RebaseModeIn{way}": "CORRECTED"
+            for kind in ("datetime", "int96")
+            for way in ("Read", "Write")
+        },
         prefix: "org.apache.iceberg.spark.SparkCatalog",
         f"{prefix}.warehouse": config.iceberg.warehouse,
         # pyiceberg evolves schemas between merges: never merge against a cached, stale table.
