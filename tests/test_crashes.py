@@ -256,6 +256,22 @@ def test_holder_killed_mid_snapshot_restarts_the_table_under_a_new_snapshot(sour
     assert_mirrored(pipeline)
 
 
+def test_two_snapshot_processes_started_at_once_share_one_holder(source: SourceDb, tmp_path: Path) -> None:
+    """Both start a holder; one holder wins, and both processes read under its snapshot (the loser's
+    process waits for the winner instead of failing). Chunks both read are committed once."""
+    _orders(source, 20_000)
+    config = source.config(["public.orders"], snapshot={"chunk_pages": 8, "parallelism": 1})
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    first, second = _snapshot_process(path), _snapshot_process(path)
+    for process in (first, second):
+        assert process.wait(300) == 0, process.stderr.read() if process.stderr else ""
+    pipeline = source.pipeline(config)
+    assert {c.epoch for c in pipeline.store.chunks("public.orders")} == {0}
+    sync(pipeline)
+    assert_mirrored(pipeline)
+
+
 def test_process_killed_after_chunk_commit_resumes(source: SourceDb, tmp_path: Path) -> None:
     """``snapshot`` dies by SIGKILL after a chunk's Iceberg commit, before it is recorded as done.
 

@@ -200,7 +200,8 @@ def wait_for_advertised_snapshot(
     timeout: float = 300.0,
 ) -> AdvertisedSnapshot | None:
     """Wait until a holder advertises its snapshot; None when ``alive`` (the holder we started) ended
-    without one, or after ``timeout`` (creating a slot waits for running transactions to finish)."""
+    without one and no other holder lives, or after ``timeout`` (creating a slot waits for running
+    transactions to finish)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ended = not alive.is_alive() if isinstance(alive, HolderThread) else alive.poll() is not None
@@ -209,7 +210,7 @@ def wait_for_advertised_snapshot(
         # importable one is the new holder's.
         if advertised and snapshot_importable(config.source, advertised.name):
             return advertised
-        if ended:
-            return None
+        if ended and not store.holder_alive(config.replication.slot):
+            return None  # (a holder started at the same moment by another process may have won: wait for it)
         time.sleep(0.1)
     return None
