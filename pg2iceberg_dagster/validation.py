@@ -114,8 +114,9 @@ def ensure_publication(
                 )
             )
             return
-        except psycopg.errors.UniqueViolation:
-            # Another process of this pipeline (a snapshot holder, a chunk run) created it just now.
+        except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+            # Another process of this pipeline (a snapshot holder, a chunk run) created it just now:
+            # DuplicateObject once its CREATE committed, UniqueViolation while it was still in flight.
             return ensure_publication(conn, config, tables, mirrored)
     if not all(row[1:]):
         raise StartupCheckError(

@@ -12,6 +12,7 @@ from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsEr
 from pyiceberg.table import Table
 from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from ..config import PipelineConfig, TableConfig, secret_from_env
 from ..errors import UnsupportedTypeError
@@ -60,7 +61,13 @@ def catalog_properties(config: PipelineConfig) -> dict[str, str]:
 
 def open_catalog(config: PipelineConfig) -> Catalog:
     """The pyiceberg catalog; its name must match Spark's (the SQL catalog stores it per table)."""
-    return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
+    try:
+        return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
+    except (IntegrityError, ProgrammingError):
+        # Another process of this pipeline created the SQL catalog's tables at the same moment (a
+        # duplicate table or type): they exist now, and the second load finds them. A real fault
+        # raises again.
+        return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
 
 
 def table_identifier(config: PipelineConfig, table: TableConfig) -> str:
@@ -77,7 +84,8 @@ def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) 
         return catalog.load_table(identifier)
     except NoSuchTableError:
         pass
-    with contextlib.suppress(NamespaceAlreadyExistsError):
+    # IntegrityError: the SQL catalog's insert lost a race with another process creating the namespace.
+    with contextlib.suppress(NamespaceAlreadyExistsError, IntegrityError):
         catalog.create_namespace(namespace)
     schema = iceberg_schema(source.columns, source.primary_key)
     return catalog.create_table_if_not_exists(identifier, schema, properties=config.iceberg.table_properties)
