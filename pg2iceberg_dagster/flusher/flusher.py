@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import PipelineConfig
-from ..coordination.store import CoordinationStore
+from ..coordination.store import CoordinationStore, StagedFile
 from ..faults import crash_point
 from ..source import pgoutput
 from ..source.catalog import SourceColumn, SourceTable, TypeResolver
@@ -45,6 +45,37 @@ class FlushStats:
     # CPU seconds this process spent decoding, encoding and uploading staged files (the rest of its
     # time goes to receiving and buffering the stream, and to registering).
     stage_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _RunState:
+    """The state of one :meth:`Flusher.run`: its stream, limits and staged writer, and where it stands."""
+
+    stream: ReplicationStream
+    writer: StagedWriter
+    relations: RelationLog
+    stats: FlushStats
+    stop: threading.Event
+    deadline: float | None  # time.monotonic() at which the time budget ends
+    target: int | None  # until_caught_up: the WAL position to flush
+    on_flush: Callable[[FlushStats], None] | None
+    last_flush: float  # time.monotonic() of the last flush (or of the start)
+    in_transaction: bool = False
+    commit_ts: int = 0  # of the open transaction, in Unix microseconds
+    xid: int = 0  # of the open transaction
+    pending_end_lsn: int | None = None  # end of the last commit staged but not registered and acked
+    last_idle_ack: float = 0.0
+    stopping: bool = False  # a commit reached the deadline or target: flush it and return
+
+
+def _count_flush(stats: FlushStats, files: list[StagedFile]) -> None:
+    """Add one flush and its registered files to ``stats``."""
+    stats.flushes += 1
+    stats.files += len(files)
+    stats.bytes += sum(f.byte_size for f in files)
+    for staged in files:
+        stats.changes += staged.row_count
+        stats.rows_by_table[staged.table_name] = stats.rows_by_table.get(staged.table_name, 0) + staged.row_count
 
 
 class Flusher:
@@ -77,52 +108,10 @@ class Flusher:
             raise RuntimeError("no flushed_lsn recorded: the slot was not created by `snapshot` yet")
         target = current_wal_lsn(self._catalog_conn) if until_caught_up else None
         deadline = time.monotonic() + max_seconds if max_seconds is not None else None
-        flush_cfg = self.config.flush
         stats = FlushStats(flushed_lsn=start_lsn)
         relations = RelationLog()
-        writer = StagedWriter(self.object_store, flush_cfg, relations)
-        in_transaction = False
-        commit_ts = 0  # of the open transaction, in Unix microseconds
-        xid = 0
-        pending_end_lsn: int | None = None
+        writer = StagedWriter(self.object_store, self.config.flush, relations)
         last_flush = time.monotonic()
-        last_idle_ack = 0.0
-
-        def flush() -> None:
-            nonlocal pending_end_lsn, last_flush
-            if pending_end_lsn is None:
-                return
-            files = writer.finish()
-            crash_point("flusher.after_upload")
-            self.store.register_flush(files, pending_end_lsn)
-            crash_point("flusher.after_register")
-            stream.ack(pending_end_lsn)
-            stats.flushes += 1
-            stats.files += len(files)
-            stats.bytes += sum(f.byte_size for f in files)
-            for staged in files:
-                stats.changes += staged.row_count
-                stats.rows_by_table[staged.table_name] = (
-                    stats.rows_by_table.get(staged.table_name, 0) + staged.row_count
-                )
-            stats.flushed_lsn = pending_end_lsn
-            stats.stage_seconds = writer.stage_seconds
-            writer.reset()
-            pending_end_lsn = None
-            last_flush = time.monotonic()
-            if on_flush:
-                on_flush(stats)
-
-        def flush_due(now: float) -> bool:
-            return pending_end_lsn is not None and (
-                writer.rows >= flush_cfg.max_rows
-                or writer.bytes >= flush_cfg.max_bytes
-                or now - last_flush >= flush_cfg.interval_seconds
-            )
-
-        def finished(now: float) -> bool:
-            return stop.is_set() or (deadline is not None and now >= deadline)
-
         with ReplicationStream(
             self.config.source,
             self.config.replication.slot,
@@ -130,75 +119,155 @@ class Flusher:
             start_lsn,
             self.config.replication.status_interval_seconds,
         ) as stream:
-            # Locals for the per-message loop: it runs hundreds of thousands of times a second.
-            append, header, row_tags, crash = writer.pending.append, XLOG_HEADER, _ROW_TAGS, crash_point
-            stopping = False
+            run = _RunState(
+                stream=stream,
+                writer=writer,
+                relations=relations,
+                stats=stats,
+                stop=stop,
+                deadline=deadline,
+                target=target,
+                on_flush=on_flush,
+                last_flush=last_flush,
+            )
             try:
-                while not stopping:
-                    now = time.monotonic()
-                    if not in_transaction and (finished(now) or (target is not None and stats.flushed_lsn >= target)):
-                        break
-                    if flush_due(now):
-                        flush()  # also inside a long transaction: what committed before it is due
-                    # Catching up, a short silence after transactions came means the end is reached: find
-                    # out at once (a keepalive tells where the server is) instead of idling half a second.
-                    quick = target is not None and not in_transaction and stats.transactions > 0
-                    messages = stream.read_batch(0.05 if quick else 0.5)
-                    if not messages:
-                        now = time.monotonic()
-                        if not in_transaction and pending_end_lsn is not None:
-                            flush()
-                        if not in_transaction and pending_end_lsn is None:
-                            if stream.server_wal_end > stats.flushed_lsn and (
-                                target is not None or now - last_idle_ack >= flush_cfg.interval_seconds
-                            ):
-                                # Quiet publication: advance the slot so WAL is not pinned.
-                                self.store.record_flushed_lsn(stream.server_wal_end)
-                                stream.ack(stream.server_wal_end)
-                                stats.flushed_lsn = stream.server_wal_end
-                                last_idle_ack = now
-                            elif target is not None:
-                                stream.request_keepalive()
-                        continue
-                    for message in messages:
-                        tag = message[header]
-                        if tag in row_tags:
-                            append(message)  # kept as received: decoded in bulk when staged
-                            crash("flusher.mid_transaction")
-                        elif tag == _BEGIN:
-                            _, commit_ts, xid = pgoutput.begin_fields(message, XLOG_HEADER)
-                            in_transaction = True
-                        elif tag == _COMMIT:
-                            in_transaction = False
-                            end_lsn = pgoutput.commit_end_lsn(message, XLOG_HEADER)
-                            if end_lsn <= stats.flushed_lsn:
-                                writer.discard()  # registered before a restart: already in the staged log
-                                continue
-                            writer.commit(commit_ts, xid)
-                            stats.transactions += 1
-                            pending_end_lsn = end_lsn
-                            now = time.monotonic()
-                            if finished(now) or (target is not None and end_lsn >= target):
-                                # Messages after this commit in the batch are dropped unacknowledged:
-                                # the next run receives them again.
-                                stopping = True
-                                break
-                            if flush_due(now):
-                                flush()
-                        else:
-                            decoded = pgoutput.decode(bytes(message[XLOG_HEADER:]))
-                            if isinstance(decoded, pgoutput.Relation):
-                                relations.describe(decoded.oid, writer.next_seq, self._relation_info(decoded))
-                            elif isinstance(decoded, pgoutput.Truncate):
-                                lsn = xlog_data_start(message)
-                                for oid in decoded.relation_oids:
-                                    append(truncate_marker(lsn, oid))
-                                    crash_point("flusher.mid_transaction")
-                    writer.bound()  # the open transaction spills past txn_memory_bytes
-                flush()
+                self._stream(run)
+                self._flush(run)
             finally:
                 writer.close()  # drops a spill file (a failed run must not keep its disk space)
         return stats
+
+    def _stream(self, run: _RunState) -> None:
+        """Read and stage batches of messages until the run is done; the last commit may be unflushed."""
+        while not run.stopping:
+            now = time.monotonic()
+            if not run.in_transaction and (self._finished(run, now) or self._caught_up(run)):
+                break
+            if self._flush_due(run, now):
+                self._flush(run)  # also inside a long transaction: what committed before it is due
+            # Catching up, a short silence after transactions came means the end is reached: find
+            # out at once (a keepalive tells where the server is) instead of idling half a second.
+            quick = run.target is not None and not run.in_transaction and run.stats.transactions > 0
+            messages = run.stream.read_batch(0.05 if quick else 0.5)
+            if not messages:
+                self._on_silence(run)
+                continue
+            self._consume(run, messages)
+            run.writer.bound()  # the open transaction spills past txn_memory_bytes
+
+    def _consume(self, run: _RunState, messages: list[memoryview]) -> None:
+        """Stage one batch of WAL data messages; stops early (``run.stopping``) at a commit that ends the run.
+
+        Messages after that commit in the batch are dropped unacknowledged: the next run receives them again.
+        """
+        # Locals for the per-message loop: it runs hundreds of thousands of times a second.
+        append, header, row_tags, crash = run.writer.pending.append, XLOG_HEADER, _ROW_TAGS, crash_point
+        for message in messages:
+            tag = message[header]
+            if tag in row_tags:
+                append(message)  # kept as received: decoded in bulk when staged
+                crash("flusher.mid_transaction")
+            elif tag == _BEGIN:
+                _, run.commit_ts, run.xid = pgoutput.begin_fields(message, XLOG_HEADER)
+                run.in_transaction = True
+            elif tag == _COMMIT:
+                self._commit(run, message)
+                if run.stopping:
+                    return
+            else:
+                self._describe(run, message)
+
+    def _commit(self, run: _RunState, message: memoryview) -> None:
+        """End the open transaction: stage it (unless a run before this one registered it already), then
+        flush if due, or mark the run as stopping if this commit reaches its deadline or target."""
+        run.in_transaction = False
+        end_lsn = pgoutput.commit_end_lsn(message, XLOG_HEADER)
+        if end_lsn <= run.stats.flushed_lsn:
+            run.writer.discard()  # registered before a restart: already in the staged log
+            return
+        run.writer.commit(run.commit_ts, run.xid)
+        run.stats.transactions += 1
+        run.pending_end_lsn = end_lsn
+        now = time.monotonic()
+        if self._finished(run, now) or (run.target is not None and end_lsn >= run.target):
+            run.stopping = True
+        elif self._flush_due(run, now):
+            self._flush(run)
+
+    def _describe(self, run: _RunState, message: memoryview) -> None:
+        """Handle a message other than a row change, Begin or Commit: a Relation describes a table's
+        columns from the next row on; a Truncate becomes one marker row per truncated table."""
+        decoded = pgoutput.decode(bytes(message[XLOG_HEADER:]))
+        if isinstance(decoded, pgoutput.Relation):
+            run.relations.describe(decoded.oid, run.writer.next_seq, self._relation_info(decoded))
+        elif isinstance(decoded, pgoutput.Truncate):
+            lsn = xlog_data_start(message)
+            for oid in decoded.relation_oids:
+                run.writer.pending.append(truncate_marker(lsn, oid))
+                crash_point("flusher.mid_transaction")
+
+    def _on_silence(self, run: _RunState) -> None:
+        """Nothing arrived: between transactions, flush what committed, then keep the slot moving."""
+        now = time.monotonic()
+        if run.in_transaction:
+            return
+        if run.pending_end_lsn is not None:
+            self._flush(run)
+        if run.pending_end_lsn is None:
+            self._advance_idle(run, now)
+
+    def _advance_idle(self, run: _RunState, now: float) -> None:
+        """Nothing left to flush: record and acknowledge the server's WAL end, so a quiet publication
+        does not pin WAL (at once when catching up, else once per flush interval); when catching up and
+        already there, ask for a keepalive to learn where the server is."""
+        stream, stats = run.stream, run.stats
+        if stream.server_wal_end > stats.flushed_lsn and (
+            run.target is not None or now - run.last_idle_ack >= self.config.flush.interval_seconds
+        ):
+            self.store.record_flushed_lsn(stream.server_wal_end)
+            stream.ack(stream.server_wal_end)
+            stats.flushed_lsn = stream.server_wal_end
+            run.last_idle_ack = now
+        elif run.target is not None:
+            stream.request_keepalive()
+
+    def _flush(self, run: _RunState) -> None:
+        """Upload the committed rows, register the files with the last commit's end LSN, then ack it."""
+        if run.pending_end_lsn is None:
+            return
+        end_lsn = run.pending_end_lsn
+        files = run.writer.finish()
+        crash_point("flusher.after_upload")
+        self.store.register_flush(files, end_lsn)
+        crash_point("flusher.after_register")
+        run.stream.ack(end_lsn)
+        _count_flush(run.stats, files)
+        run.stats.flushed_lsn = end_lsn
+        run.stats.stage_seconds = run.writer.stage_seconds
+        run.writer.reset()
+        run.pending_end_lsn = None
+        run.last_flush = time.monotonic()
+        if run.on_flush:
+            run.on_flush(run.stats)
+
+    def _flush_due(self, run: _RunState, now: float) -> bool:
+        """A commit waits and the staged rows, bytes or time since the last flush reached their bound."""
+        flush = self.config.flush
+        return run.pending_end_lsn is not None and (
+            run.writer.rows >= flush.max_rows
+            or run.writer.bytes >= flush.max_bytes
+            or now - run.last_flush >= flush.interval_seconds
+        )
+
+    @staticmethod
+    def _finished(run: _RunState, now: float) -> bool:
+        """Stop was requested or the time budget is spent."""
+        return run.stop.is_set() or (run.deadline is not None and now >= run.deadline)
+
+    @staticmethod
+    def _caught_up(run: _RunState) -> bool:
+        """Catching up, and the WAL position at the start is flushed."""
+        return run.target is not None and run.stats.flushed_lsn >= run.target
 
     def _relation_info(self, relation: pgoutput.Relation) -> RelationInfo | None:
         table = self.tables.get(relation.key)
