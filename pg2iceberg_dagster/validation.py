@@ -10,7 +10,7 @@ import psycopg
 from psycopg import sql
 
 from .config import PipelineConfig
-from .coordination.store import CoordinationStore
+from .coordination.store import CoordinationStore, PipelineMeta, TableState
 from .errors import StartupCheckError, UnsupportedTypeError
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
@@ -157,80 +157,121 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
         # the walsender's refusal to connect.
         _check_server(conn)
         system_identifier = identify_system(config)
-        if meta is not None and meta.system_identifier != system_identifier:
-            raise StartupCheckError(
-                f"the source cluster changed: coordination state belongs to system_identifier "
-                f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
-                "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
-            )
-        resolver = TypeResolver(conn)
-        tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
-        for table in tables.values():
-            try:
-                iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
-            except UnsupportedTypeError as exc:
-                raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
+        _check_same_cluster(meta, system_identifier)
+        tables = _describe_tables(conn, config)
         states = store.table_states()
-        for key, state in states.items():
-            if key in tables and state.pg_oid != tables[key].oid:
-                raise StartupCheckError(
-                    f"{key} was dropped and recreated (pg_class.oid {state.pg_oid} -> {tables[key].oid}); "
-                    f"its mirror is stale: run `pg2iceberg-dagster cleanup --table {key}` to snapshot it again"
-                )
-
+        _check_not_recreated(states, tables)
         ensure_publication(conn, config, list(tables.values()), frozenset(states.keys() & tables.keys()))
         slot = slot_info(conn, config.replication.slot)
         database = conn.info.dbname
 
-    if meta is not None and meta.slot_name != config.replication.slot:
-        raise StartupCheckError(
-            f"coordination state was created with slot {meta.slot_name}, the config names "
-            f"{config.replication.slot}; restore the slot name or run cleanup --all"
-        )
-    slot_recorded = meta is not None and meta.consistent_point is not None
-    deadline = time.monotonic() + SLOT_RECORD_WAIT_SECONDS
-    while slot is not None and not slot_recorded and store.holder_alive(config.replication.slot):
-        # A holder is between creating the slot and recording it: wait for the record.
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-        meta = store.pipeline_meta()
-        slot_recorded = meta is not None and meta.consistent_point is not None
+    _check_slot_name(meta, config)
+    slot_recorded = _wait_for_slot_record(config, store, meta, slot)
     if slot is None and slot_recorded:
         raise StartupCheckError(
             f"replication slot {config.replication.slot} is gone but the pipeline created it; changes since "
             "then are lost: run `pg2iceberg-dagster cleanup --all` and snapshot again"
         )
     if not slot_recorded:
-        # Chunks read with no slot behind them: nothing replays the changes made after their read.
-        read = [key for key in states if any(chunk.done for chunk in store.chunks(key))]
-        if read:
-            raise StartupCheckError(
-                f"snapshot chunks of {', '.join(read)} were read without a replication slot, so changes made since "
-                f"are lost to the mirror; run {_cleanup_tables(read)} (or `cleanup --all --yes`) and snapshot again"
-            )
+        _check_no_chunks_without_slot(store, states)
     if slot is not None:
-        if not slot_recorded:
-            raise StartupCheckError(
-                f"replication slot {config.replication.slot} exists but was not created by this pipeline; "
-                "drop it (SELECT pg_drop_replication_slot(...)) or configure another slot name"
-            )
-        if slot.plugin != "pgoutput" or slot.database != database:
-            raise StartupCheckError(
-                f"replication slot {config.replication.slot} uses plugin {slot.plugin} on database {slot.database}; "
-                f"expected pgoutput on {database}"
-            )
-        if slot.wal_status == "lost":
-            raise StartupCheckError(
-                f"replication slot {config.replication.slot} has lost required WAL (wal_status = lost); "
-                "run `pg2iceberg-dagster cleanup --all` and snapshot again"
-            )
-        flushed = store.flushed_lsn()
-        if flushed is not None and slot.confirmed_flush_lsn is not None and slot.confirmed_flush_lsn > flushed:
-            raise StartupCheckError(
-                f"replication slot {config.replication.slot} was advanced outside pg2iceberg (confirmed_flush_lsn "
-                f"{format_lsn(slot.confirmed_flush_lsn)} is ahead of the recorded {format_lsn(flushed)}); changes "
-                "in between were never staged: run cleanup --all and snapshot again"
-            )
+        _check_slot(config, store, slot, slot_recorded, database)
     store.stamp_pipeline(system_identifier, config.replication.slot, config.replication.publication)
     return StartupReport(server_version=version, system_identifier=system_identifier, tables=tables, slot=slot)
+
+
+def _check_same_cluster(meta: PipelineMeta | None, system_identifier: str) -> None:
+    """The coordination state, if any, belongs to the cluster the config points at."""
+    if meta is not None and meta.system_identifier != system_identifier:
+        raise StartupCheckError(
+            f"the source cluster changed: coordination state belongs to system_identifier "
+            f"{meta.system_identifier}, the server is {system_identifier}; point the config at the original "
+            "cluster, or run `pg2iceberg-dagster cleanup --all` to start over"
+        )
+
+
+def _describe_tables(conn: psycopg.Connection, config: PipelineConfig) -> dict[str, SourceTable]:
+    """Each configured table's columns and key, by key; refuses a table with a type Iceberg cannot hold."""
+    resolver = TypeResolver(conn)
+    tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
+    for table in tables.values():
+        try:
+            iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
+        except UnsupportedTypeError as exc:
+            raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
+    return tables
+
+
+def _check_not_recreated(states: dict[str, TableState], tables: dict[str, SourceTable]) -> None:
+    """No mirrored table was dropped and created again since its snapshot (its ``pg_class.oid`` moved)."""
+    for key, state in states.items():
+        if key in tables and state.pg_oid != tables[key].oid:
+            raise StartupCheckError(
+                f"{key} was dropped and recreated (pg_class.oid {state.pg_oid} -> {tables[key].oid}); "
+                f"its mirror is stale: run `pg2iceberg-dagster cleanup --table {key}` to snapshot it again"
+            )
+
+
+def _check_slot_name(meta: PipelineMeta | None, config: PipelineConfig) -> None:
+    """The config names the slot the coordination state was created with."""
+    if meta is not None and meta.slot_name != config.replication.slot:
+        raise StartupCheckError(
+            f"coordination state was created with slot {meta.slot_name}, the config names "
+            f"{config.replication.slot}; restore the slot name or run cleanup --all"
+        )
+
+
+def _wait_for_slot_record(
+    config: PipelineConfig, store: CoordinationStore, meta: PipelineMeta | None, slot: SlotInfo | None
+) -> bool:
+    """Whether the pipeline recorded creating its slot. While a live snapshot holder is between creating
+    the slot and recording it, waits for the record (up to ``SLOT_RECORD_WAIT_SECONDS``)."""
+    slot_recorded = meta is not None and meta.consistent_point is not None
+    deadline = time.monotonic() + SLOT_RECORD_WAIT_SECONDS
+    while slot is not None and not slot_recorded and store.holder_alive(config.replication.slot):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+        meta = store.pipeline_meta()
+        slot_recorded = meta is not None and meta.consistent_point is not None
+    return slot_recorded
+
+
+def _check_no_chunks_without_slot(store: CoordinationStore, states: dict[str, TableState]) -> None:
+    """With no recorded slot, no snapshot chunk may have been read: nothing replays the changes made
+    after its read."""
+    read = [key for key in states if any(chunk.done for chunk in store.chunks(key))]
+    if read:
+        raise StartupCheckError(
+            f"snapshot chunks of {', '.join(read)} were read without a replication slot, so changes made since "
+            f"are lost to the mirror; run {_cleanup_tables(read)} (or `cleanup --all --yes`) and snapshot again"
+        )
+
+
+def _check_slot(
+    config: PipelineConfig, store: CoordinationStore, slot: SlotInfo, slot_recorded: bool, database: str
+) -> None:
+    """The existing slot is the pipeline's own, decodes pgoutput on the source database, kept its WAL and
+    was not advanced past the recorded ``flushed_lsn``."""
+    if not slot_recorded:
+        raise StartupCheckError(
+            f"replication slot {config.replication.slot} exists but was not created by this pipeline; "
+            "drop it (SELECT pg_drop_replication_slot(...)) or configure another slot name"
+        )
+    if slot.plugin != "pgoutput" or slot.database != database:
+        raise StartupCheckError(
+            f"replication slot {config.replication.slot} uses plugin {slot.plugin} on database {slot.database}; "
+            f"expected pgoutput on {database}"
+        )
+    if slot.wal_status == "lost":
+        raise StartupCheckError(
+            f"replication slot {config.replication.slot} has lost required WAL (wal_status = lost); "
+            "run `pg2iceberg-dagster cleanup --all` and snapshot again"
+        )
+    flushed = store.flushed_lsn()
+    if flushed is not None and slot.confirmed_flush_lsn is not None and slot.confirmed_flush_lsn > flushed:
+        raise StartupCheckError(
+            f"replication slot {config.replication.slot} was advanced outside pg2iceberg (confirmed_flush_lsn "
+            f"{format_lsn(slot.confirmed_flush_lsn)} is ahead of the recorded {format_lsn(flushed)}); changes "
+            "in between were never staged: run cleanup --all and snapshot again"
+        )
