@@ -23,7 +23,7 @@ from .config import load_config
 from .errors import Pg2IcebergError
 from .pipeline import Pipeline
 from .source.lsn import format_lsn
-from .verify import TableDiff
+from .verify import print_diffs
 
 DEFAULT_CONFIG = "pg2iceberg.yaml"
 
@@ -133,25 +133,6 @@ def cmd_hold_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
         else "nothing to hold: every table's snapshot is complete or another holder runs"
     )
     return 0
-
-
-def print_diffs(diffs: Sequence[TableDiff]) -> bool:
-    """Print a verify report; True when every table matches."""
-    ok = True
-    for diff in diffs:
-        if diff.only_in_pg == -1:
-            print(f"{diff.table}: MISSING (no Iceberg table)")
-            ok = False
-            continue
-        state = "OK" if diff.ok else "DIFFERENT"
-        ok = ok and diff.ok
-        print(
-            f"{diff.table}: {state} pg={diff.pg_rows} iceberg={diff.iceberg_rows} only_in_pg={diff.only_in_pg} "
-            f"only_in_iceberg={diff.only_in_iceberg} different={diff.different} duplicate_keys={diff.duplicate_keys}"
-        )
-        for kind, keys in diff.examples.items():
-            print(f"    {kind}: {keys}")
-    return ok
 
 
 def cmd_verify(pipeline: Pipeline, args: argparse.Namespace) -> int:

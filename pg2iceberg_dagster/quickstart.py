@@ -15,10 +15,10 @@ from pathlib import Path
 import psycopg
 import yaml
 
-from .cli import print_diffs
 from .config import load_config
 from .embedded import EmbeddedPostgres
 from .pipeline import Pipeline
+from .verify import print_diffs
 
 SAMPLE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS public.customers (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,3 +102,23 @@ def compare_table(conn: psycopg.Connection, source: SourceTable, iceberg_table: 
         if keys:
             diff.examples[name] = keys[:examples]
     return diff
+
+
+def print_diffs(diffs: Sequence[TableDiff]) -> bool:
+    """Print a verify report (``only_in_pg == -1`` marks a table with no Iceberg table); True when every
+    table matches."""
+    ok = True
+    for diff in diffs:
+        if diff.only_in_pg == -1:
+            print(f"{diff.table}: MISSING (no Iceberg table)")
+            ok = False
+            continue
+        state = "OK" if diff.ok else "DIFFERENT"
+        ok = ok and diff.ok
+        print(
+            f"{diff.table}: {state} pg={diff.pg_rows} iceberg={diff.iceberg_rows} only_in_pg={diff.only_in_pg} "
+            f"only_in_iceberg={diff.only_in_iceberg} different={diff.different} duplicate_keys={diff.duplicate_keys}"
+        )
+        for kind, keys in diff.examples.items():
+            print(f"    {kind}: {keys}")
+    return ok
