@@ -19,12 +19,15 @@ from sensors import flusher_sensor, merge_automation_sensor, snapshot_planner_se
 DEFAULT_CONFIG = Path(__file__).parent / ".pg2iceberg" / "pg2iceberg.yaml"
 
 
-def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
-    """Definitions for the pipeline at ``config_path``: add a table to the config, it joins the graph."""
+def build_definitions(config_path: str | os.PathLike[str], pg2iceberg: Pg2IcebergResource | None = None) -> Definitions:
+    """Definitions for the pipeline at ``config_path``: add a table to the config, it joins the graph.
+
+    ``pg2iceberg`` overrides the resource (e.g. a source password as ``EnvVar``); the runs, sensors and
+    automation conditions all reach the pipeline through it."""
     config_path = str(Path(config_path).resolve())
-    translator = Pg2IcebergTranslator(load_config(config_path))
-    specs, assets = table_definitions(translator, config_path)
-    pg2iceberg = Pg2IcebergResource(config_path=config_path)
+    translator = Pg2IcebergTranslator(load_config(config_path))  # the graph's shape: tables and names
+    pg2iceberg = pg2iceberg or Pg2IcebergResource(config_path=config_path)
+    specs, assets = table_definitions(translator, pg2iceberg)
     return Definitions(
         assets=[*specs, *assets],
         sensors=[

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from dagster import AutomationCondition, AutomationContext, AutomationResult
 
-from pg2iceberg_dagster.config import load_config
-from pg2iceberg_dagster.coordination.store import CoordinationStore
+from resources import Pg2IcebergResource
 
 
 class StagedLogLag(AutomationCondition):
-    """True when ``table_key``'s staged log has changes past mat_cursor and its snapshot is complete."""
+    """True when ``table_key``'s staged log has changes past mat_cursor and its snapshot is complete.
 
-    def __init__(self, config_path: str, table_key: str) -> None:
-        self.config_path = config_path
+    It reaches the pipeline through the deployment's own resource, so the config (and an ``EnvVar``
+    password that overrides it) is the one the runs use."""
+
+    def __init__(self, pg2iceberg: Pg2IcebergResource, table_key: str) -> None:
+        self.pg2iceberg = pg2iceberg
         self.table_key = table_key
 
     @property
@@ -25,19 +27,15 @@ class StagedLogLag(AutomationCondition):
         return f"mat_cursor of {self.table_key} lags the staged log and its snapshot is complete"
 
     def evaluate(self, context: AutomationContext) -> AutomationResult:
-        config = load_config(self.config_path)
-        with CoordinationStore(config.state_connection) as store:
-            store.migrate()
-            state = store.table_state(self.table_key)
-            lag = store.log_head(self.table_key) - store.mat_cursor(config.materialize.group, self.table_key)
-        ready = state is not None and state.snapshot_complete and lag > 0
+        with self.pg2iceberg.process_config_and_initialize_cm() as pg2iceberg, pg2iceberg.pipeline() as pipeline:
+            ready = pipeline.merge_pending(self.table_key)
         subset = context.candidate_subset if ready else context.get_empty_subset()
         return AutomationResult(context=context, true_subset=subset)
 
 
-def merge_condition(config_path: str, table_key: str) -> AutomationCondition:
+def merge_condition(pg2iceberg: Pg2IcebergResource, table_key: str) -> AutomationCondition:
     """Merge on lag, never while a run of the same table is in progress."""
-    return (StagedLogLag(config_path, table_key) & ~AutomationCondition.in_progress()).with_label(
+    return (StagedLogLag(pg2iceberg, table_key) & ~AutomationCondition.in_progress()).with_label(
         "lag and snapshot complete, not in progress"
     )
 

@@ -1,7 +1,6 @@
 """Per configured table: the source (external), its staged log (reported by the flusher sensor), the
 CTID-chunk partitioned snapshot, and the live Iceberg table merged by Spark, with its checks."""
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,19 +21,13 @@ from dagster import (
     asset,
 )
 
-from pg2iceberg_dagster.checks import duplicate_keys, schema_mismatches
 from pg2iceberg_dagster.config import TableConfig
-from pg2iceberg_dagster.iceberg.catalog import table_identifier
-from pg2iceberg_dagster.materializer.merge import MergeResult
-from pg2iceberg_dagster.source.catalog import modification_count
-from pg2iceberg_dagster.source.connection import connect
-from pg2iceberg_dagster.source.lsn import format_lsn
+from pg2iceberg_dagster.pipeline import IcebergTableSummary, MergeResult, TableCheckReport
 from resources import Pg2IcebergResource, SparkResource
 
 from .automation import merge_condition, snapshot_condition
 from .translator import Pg2IcebergTranslator
 
-STATS_DELAY_SECONDS = 1.5
 PK_UNIQUE = "primary_key_unique"
 MATCHES_SOURCE = "matches_source"
 SCHEMA_MATCHES = "schema_matches_source"
@@ -45,13 +38,11 @@ def partitions_def(translator: Pg2IcebergTranslator, table: TableConfig) -> Dyna
     return DynamicPartitionsDefinition(name=translator.partitions_name(table))
 
 
-def _table_schema(iceberg_table: Any) -> TableSchema:
-    schema = iceberg_table.schema()
-    key = {schema.find_field(i).name for i in schema.identifier_field_ids}
+def _table_schema(summary: IcebergTableSummary) -> TableSchema:
     return TableSchema(
         columns=[
-            TableColumn(f.name, str(f.field_type), description="primary key" if f.name in key else None)
-            for f in schema.fields
+            TableColumn(name, type_name, description="primary key" if in_key else None)
+            for name, type_name, in_key in summary.columns
         ]
     )
 
@@ -76,7 +67,7 @@ def staged_log_spec(translator: Pg2IcebergTranslator, table: TableConfig) -> Ass
     )
 
 
-def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_path: str) -> AssetsDefinition:
+def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig) -> AssetsDefinition:
     @asset(
         name=translator.snapshot_key(table).path[-1],
         key_prefix=translator.snapshot_key(table).path[:-1],
@@ -91,8 +82,7 @@ def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_
     )
     def _snapshot(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource) -> MaterializeResult:
         with pg2iceberg.pipeline() as pipeline:
-            runner = pipeline.snapshot_runner()
-            result = runner.run_partitions(table.key, context.partition_keys)
+            result = pipeline.snapshot_chunks(table.key, context.partition_keys)
             return MaterializeResult(
                 metadata={
                     "rows_written": result.rows,
@@ -109,23 +99,20 @@ def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_
 
 
 def _merge_metadata(
-    translator: Pg2IcebergTranslator, table: TableConfig, result: MergeResult, pipeline: Any
+    translator: Pg2IcebergTranslator, table: TableConfig, result: MergeResult, summary: IcebergTableSummary
 ) -> dict[str, Any]:
-    iceberg_table = pipeline.catalog.load_table(table_identifier(pipeline.config, table))
-    snapshot = iceberg_table.current_snapshot()
-    summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
     return {
         "dagster/table_name": translator.iceberg_table_name(table),
-        "dagster/column_schema": _table_schema(iceberg_table),
-        "dagster/row_count": int(summary.get("total-records", 0)),
+        "dagster/column_schema": _table_schema(summary),
+        "dagster/row_count": summary.row_count,
         "changes_applied": result.changes,
         "rows_upserted": result.upserts,
         "rows_deleted": result.deletes,
         "batches": result.batches,
-        "mat_cursor": result.cursor,
-        "log_head": result.head,
-        "lag": result.lag,
-        "last_lsn": format_lsn(result.last_lsn) if result.last_lsn else "none",
+        "mat_cursor": result.lag.mat_cursor,
+        "log_head": result.lag.log_head,
+        "lag": result.lag.changes,
+        "last_lsn": result.last_lsn_text,
         "schema_changes": MetadataValue.json(list(result.schema_changes)),
         "iceberg_snapshot_id": str(result.snapshot_id or ""),
         "merge_seconds": round(result.seconds, 3),
@@ -134,52 +121,42 @@ def _merge_metadata(
     }
 
 
-def run_table_checks(pipeline: Any, table: TableConfig, key: Any) -> Iterator[AssetCheckResult]:
-    """Primary keys unique; schema matches the source; content equals the source when there is no lag
-    (a difference seen while the source is being written is reported as a warning)."""
-    iceberg_table = pipeline.catalog.load_table(table_identifier(pipeline.config, table))
-    duplicates, examples = duplicate_keys(iceberg_table)
+def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetCheckResult]:
+    """The engine's checks of one table as Dagster check results: primary keys unique (blocking);
+    schema follows the source; content equals the source when there is no lag (a difference seen
+    while the source is being written is a warning)."""
+    examples = [list(map(str, example)) for example in report.duplicate_examples]
     yield AssetCheckResult(
         asset_key=key,
         check_name=PK_UNIQUE,
-        passed=duplicates == 0,
-        metadata={"duplicate_keys": duplicates, "examples": MetadataValue.json([list(map(str, e)) for e in examples])},
+        passed=report.duplicate_keys == 0,
+        metadata={"duplicate_keys": report.duplicate_keys, "examples": MetadataValue.json(examples)},
     )
-    report = pipeline.validate(refresh=True)
-    source = report.tables[table.key]
-    problems = schema_mismatches(source, iceberg_table)
     yield AssetCheckResult(
         asset_key=key,
         check_name=SCHEMA_MATCHES,
-        passed=not problems,
-        metadata={"problems": MetadataValue.json(problems)},
+        passed=not report.schema_problems,
+        metadata={"problems": MetadataValue.json(report.schema_problems)},
     )
-    cursor, head = pipeline.materializer().lag(table.key)
-    if head > cursor:
+    content = report.content
+    if content.diff is None:
         yield AssetCheckResult(
             asset_key=key,
             check_name=MATCHES_SOURCE,
             passed=True,
             severity=AssetCheckSeverity.WARN,
-            metadata={"compared": False, "lag": head - cursor},
+            metadata={"compared": False, "lag": content.lag},
         )
         return
-    with connect(pipeline.config.source) as stats_conn:
-        writes_before = modification_count(stats_conn, source.oid)
-        started = time.monotonic()
-        (diff,) = pipeline.verify([table.key], refresh=False)  # columns were just refreshed above
-        # Statistics trail commits by up to a second: look again after that.
-        time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - started)))
-        writes_in_flight = modification_count(stats_conn, source.oid) != writes_before
+    diff = content.diff
     yield AssetCheckResult(
         asset_key=key,
         check_name=MATCHES_SOURCE,
         passed=diff.ok,
-        # A difference while the source is being written is not at a consistent point: a warning.
-        severity=AssetCheckSeverity.WARN if writes_in_flight else AssetCheckSeverity.ERROR,
+        severity=AssetCheckSeverity.WARN if content.source_written_during_check else AssetCheckSeverity.ERROR,
         metadata={
             "compared": True,
-            "source_written_during_check": writes_in_flight,
+            "source_written_during_check": content.source_written_during_check,
             "pg_rows": diff.pg_rows,
             "iceberg_rows": diff.iceberg_rows,
             "only_in_pg": diff.only_in_pg,
@@ -189,7 +166,9 @@ def run_table_checks(pipeline: Any, table: TableConfig, key: Any) -> Iterator[As
     )
 
 
-def iceberg_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_path: str) -> AssetsDefinition:
+def iceberg_asset(
+    translator: Pg2IcebergTranslator, table: TableConfig, pg2iceberg: Pg2IcebergResource
+) -> AssetsDefinition:
     key = translator.iceberg_key(table)
 
     @asset(
@@ -199,7 +178,7 @@ def iceberg_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_p
         group_name=translator.group_name(table),
         kinds={"iceberg", "spark"},
         description=translator.description(table, "iceberg"),
-        automation_condition=merge_condition(config_path, table.key),
+        automation_condition=merge_condition(pg2iceberg, table.key),
         check_specs=[
             AssetCheckSpec(PK_UNIQUE, asset=key, blocking=True, description="one row per primary key"),
             AssetCheckSpec(MATCHES_SOURCE, asset=key, description="rows equal the source when there is no lag"),
@@ -209,25 +188,25 @@ def iceberg_asset(translator: Pg2IcebergTranslator, table: TableConfig, config_p
     )
     def _merge(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource, spark: SparkResource) -> Iterator[Any]:
         with pg2iceberg.pipeline(spark_factory=spark.get_session) as pipeline:
-            pipeline.validate()
             # A second round applies what was staged during the first, cold merge (this run's new JVM).
-            result = pipeline.materializer().materialize_table(table.key, rounds=2)
+            result = pipeline.merge_table(table.key, rounds=2)
             if result.waiting_for_snapshot:
                 raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
-            context.log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag)
-            yield MaterializeResult(metadata=_merge_metadata(translator, table, result, pipeline))
-            yield from run_table_checks(pipeline, table, key)
+            context.log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag.changes)
+            summary = pipeline.iceberg_summary(table.key)
+            yield MaterializeResult(metadata=_merge_metadata(translator, table, result, summary))
+            yield from table_check_results(pipeline.check_table(table.key), key)
 
     return _merge
 
 
 def table_definitions(
-    translator: Pg2IcebergTranslator, config_path: str
+    translator: Pg2IcebergTranslator, pg2iceberg: Pg2IcebergResource
 ) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
     """External specs and assets for every configured table."""
     specs: list[AssetSpec] = []
     assets: list[AssetsDefinition] = []
     for table in translator.config.tables:
         specs += [source_spec(translator, table), staged_log_spec(translator, table)]
-        assets += [snapshot_asset(translator, table, config_path), iceberg_asset(translator, table, config_path)]
+        assets += [snapshot_asset(translator, table), iceberg_asset(translator, table, pg2iceberg)]
     return specs, assets

@@ -1,12 +1,36 @@
-"""Data checks on a mirrored table: one row per primary key, and a schema that matches the source."""
+"""Data checks on a mirrored table: one row per primary key, a schema that matches the source, and
+(through :meth:`Pipeline.check_table`) content equal to the source."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pyarrow.compute as pc
 from pyiceberg.table import Table
 
-from .iceberg.types import field_ids, iceberg_type
+from .iceberg.catalog import schema_follows_source
 from .source.catalog import SourceTable
+from .verify import TableDiff
+
+
+@dataclass(frozen=True)
+class ContentCheck:
+    """Rows compared with the source, or why not: changes still staged (``lag`` > 0)."""
+
+    lag: int
+    diff: TableDiff | None = None  # None when not compared
+    # The source was written while it was compared: a difference is not at a consistent point.
+    source_written_during_check: bool = False
+
+
+@dataclass(frozen=True)
+class TableCheckReport:
+    """Every check of one mirrored table."""
+
+    duplicate_keys: int
+    duplicate_examples: list[tuple]
+    schema_problems: list[str]
+    content: ContentCheck
 
 
 def duplicate_keys(table: Table) -> tuple[int, list[tuple]]:
@@ -23,21 +47,13 @@ def duplicate_keys(table: Table) -> tuple[int, list[tuple]]:
 
 
 def schema_mismatches(source: SourceTable, table: Table) -> list[str]:
-    """How the Iceberg schema differs from what the source columns map to (empty when it matches).
+    """How the Iceberg schema differs from what the source columns map to (empty when it matches),
+    by the rule schema evolution follows (see :func:`schema_follows_source`).
 
     Extra Iceberg columns are expected (columns dropped at the source are kept) and not reported.
     """
+    problems = schema_follows_source(table.schema(), source.columns)
     schema = table.schema()
-    problems = []
-    element_ids = field_ids(100_000)
-    for column in source.columns:
-        wanted = iceberg_type(column.type, column.name, element_ids)
-        if column.name not in schema.column_names:
-            problems.append(f"{column.name}: missing in Iceberg (source type {column.type.name})")
-            continue
-        actual = schema.find_field(column.name).field_type
-        if str(actual) != str(wanted):
-            problems.append(f"{column.name}: Iceberg {actual}, source maps to {wanted}")
     key = {schema.find_field(field_id).name for field_id in schema.identifier_field_ids}
     if key != set(source.primary_key):
         problems.append(f"identifier fields {sorted(key)} differ from the primary key {list(source.primary_key)}")

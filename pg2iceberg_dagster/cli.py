@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
@@ -100,7 +99,7 @@ def _print_merge(results) -> None:  # type: ignore[no-untyped-def]
         else:
             print(
                 f"{key}: {result.changes} changes ({result.upserts} upserts, {result.deletes} deletes) "
-                f"in {result.batches} batches; mat_cursor {result.cursor}/{result.head}"
+                f"in {result.batches} batches; mat_cursor {result.lag.mat_cursor}/{result.lag.log_head}"
             )
 
 
@@ -144,7 +143,7 @@ def cmd_verify(pipeline: Pipeline, args: argparse.Namespace) -> int:
 def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
     status = pipeline.status()
     if args.json:
-        print(json.dumps({**status, "tables": [asdict(t) | {"lag": t.lag} for t in status["tables"]]}, indent=2))
+        print(json.dumps({**status, "tables": [t.as_json() for t in status["tables"]]}, indent=2))
         return 0
     slot = status["slot"]
     print(f"slot: {json.dumps(slot) if slot else 'not created'}; flushed_lsn: {status['flushed_lsn']}")
@@ -153,7 +152,8 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
     for t in status["tables"]:
         snap = "complete" if t.snapshot_complete else f"{t.chunks_done}/{t.chunks_total} chunks"
         snap += f" (epoch {t.snapshot_epoch})" if t.snapshot_epoch is not None else ""
-        print(f"{t.table}: snapshot {snap}; staged log head {t.log_head}, mat_cursor {t.mat_cursor}, lag {t.lag}")
+        lag = f"staged log head {t.lag.log_head}, mat_cursor {t.lag.mat_cursor}, lag {t.lag.changes}"
+        print(f"{t.table}: snapshot {snap}; {lag}")
     return 0
 
 
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "quickstart":
             return cmd_quickstart(args)
-        with Pipeline(load_config(args.config), config_path=args.config) as pipeline:
+        with Pipeline(load_config(args.config), detached_holder=True) as pipeline:
             return COMMANDS[args.command][0](pipeline, args)
     except Pg2IcebergError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,5 +1,7 @@
-"""The engine's entry points in one place: validate, snapshot, stream, materialize, run, verify,
-status and cleanup. The CLI and the Dagster layer both drive the engine through :class:`Pipeline`."""
+"""The engine's one door: validate, snapshot (whole or by chunk partitions), stream, materialize,
+run, verify, check, status and lag. The CLI and the Dagster layer drive the engine through
+:class:`Pipeline` and the plain results defined or re-exported here; they import nothing else from
+the engine but ``config``, ``errors`` and ``quickstart``."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 
+from .checks import ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
 from .config import PipelineConfig
-from .coordination.store import CoordinationStore
+from .coordination.store import Chunk, CoordinationStore, Lag
 from .errors import StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
@@ -22,27 +25,85 @@ from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .snapshot.holder import holder_lock_key
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
+from .source.catalog import modification_count
 from .source.connection import connect
 from .source.lsn import format_lsn
 from .validation import StartupReport, check_startup, slot_info
 from .verify import TableDiff, compare_table
 
+__all__ = [
+    "Chunk",
+    "ContentCheck",
+    "FlushTick",
+    "IcebergTableSummary",
+    "Lag",
+    "MergeResult",
+    "Pipeline",
+    "SnapshotPlan",
+    "TableCheckReport",
+    "TableDiff",
+    "TableSnapshotResult",
+    "TableStatus",
+    "build_spark_session",
+]
+
 log = logging.getLogger("pg2iceberg_dagster")
 
 
-@dataclass
+# Statistics trail commits by up to a second: a content check looks at them again after this.
+STATS_DELAY_SECONDS = 1.5
+
+
+@dataclass(frozen=True)
 class TableStatus:
     table: str
     snapshot_complete: bool
     chunks_done: int
     chunks_total: int
-    log_head: int
-    mat_cursor: int
+    lag: Lag
     snapshot_epoch: int | None = None  # the exported snapshot the table's rows were read under
 
+    def as_json(self) -> dict[str, Any]:
+        """Plain data for ``status --json``."""
+        return {
+            "table": self.table,
+            "snapshot_complete": self.snapshot_complete,
+            "chunks_done": self.chunks_done,
+            "chunks_total": self.chunks_total,
+            "log_head": self.lag.log_head,
+            "mat_cursor": self.lag.mat_cursor,
+            "lag": self.lag.changes,
+            "snapshot_epoch": self.snapshot_epoch,
+        }
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """A table's CTID chunks (stored once, planned on first sight) and its snapshot epoch."""
+
+    chunks: list[Chunk]
+    epoch: int | None
+
+
+@dataclass(frozen=True)
+class FlushTick:
+    """What one bounded run of the flusher staged: per table with changes, their count and the lag."""
+
+    flushed_lsn: int
+    staged: dict[str, tuple[int, Lag]]
+
     @property
-    def lag(self) -> int:
-        return self.log_head - self.mat_cursor
+    def flushed_lsn_text(self) -> str:
+        return format_lsn(self.flushed_lsn)
+
+
+@dataclass(frozen=True)
+class IcebergTableSummary:
+    """The mirror table as it stands: columns (name, type, part of the key) and current snapshot."""
+
+    columns: list[tuple[str, str, bool]]
+    row_count: int
+    snapshot_id: int | None
 
 
 def _nothing_after(store: CoordinationStore) -> str:
@@ -54,11 +115,11 @@ def _nothing_after(store: CoordinationStore) -> str:
 class Pipeline:
     """One configured pipeline. Opens connections lazily; close it when done."""
 
-    def __init__(self, config: PipelineConfig, spark_factory: Any = None, config_path: str | None = None) -> None:
+    def __init__(self, config: PipelineConfig, spark_factory: Any = None, detached_holder: bool = False) -> None:
         self.config = config
-        # With the file the config came from, the snapshot's holder runs as a process that outlives
-        # this one (see snapshot.holder); without, as a thread here.
-        self.config_path = config_path
+        # ``detached_holder``: the snapshot's holder runs as a process that outlives this one (see
+        # snapshot.holder), as the CLI and Dagster runs need; else as a thread here.
+        self.detached_holder = detached_holder
         self._spark_factory = spark_factory or (lambda: build_spark_session(config))
         self.store = CoordinationStore(config.state_connection)
         self._catalog: Catalog | None = None
@@ -97,7 +158,18 @@ class Pipeline:
         return self.snapshot_runner().run(on_chunk=on_chunk, on_plan=on_plan)
 
     def snapshot_runner(self) -> SnapshotRunner:
-        return SnapshotRunner(self.config, self.store, self.validate(), self.catalog, self.config_path)
+        return SnapshotRunner(self.config, self.store, self.validate(), self.catalog, self.detached_holder)
+
+    def snapshot_plan(self, table_key: str) -> SnapshotPlan:
+        """The table's chunk plan (planned and stored on first call) and its snapshot epoch."""
+        report = self.validate()
+        chunks = self.store.chunks(table_key) or self.snapshot_runner().plan(report.tables[table_key])
+        state = self.store.table_state(table_key)
+        return SnapshotPlan(chunks, state.snapshot_epoch if state else None)
+
+    def snapshot_chunks(self, table_key: str, partition_keys: list[str]) -> TableSnapshotResult:
+        """Read the chunks named by ``partition_keys`` under the holder's exported snapshot."""
+        return self.snapshot_runner().run_partitions(table_key, partition_keys)
 
     def stream(
         self,
@@ -128,6 +200,69 @@ class Pipeline:
         """One pass: merge every table's staged log up to its current head."""
         self.validate()
         return self.materializer().run_once(table_keys)
+
+    def merge_table(self, table_key: str, rounds: int = 1) -> MergeResult:
+        """Merge one table's staged log up to its head, ``rounds`` times (see Materializer)."""
+        self.validate()
+        return self.materializer().materialize_table(table_key, rounds=rounds)
+
+    def lag(self, table_key: str) -> Lag:
+        """The table's staged changes not merged yet by this pipeline's materializer group."""
+        self.store.migrate()
+        return self.store.lag(self.config.materialize.group, table_key)
+
+    def merge_pending(self, table_key: str) -> bool:
+        """The table has staged changes to merge and its snapshot is complete."""
+        lag = self.lag(table_key)
+        state = self.store.table_state(table_key)
+        return state is not None and state.snapshot_complete and lag.changes > 0
+
+    def flush_tick(self, max_seconds: float) -> FlushTick | None:
+        """Stream for at most ``max_seconds``; None before the snapshot has created the slot."""
+        self.store.migrate()
+        if self.store.flushed_lsn() is None:
+            return None
+        stats = self.stream(max_seconds=max_seconds)
+        staged = {
+            key: (count, self.store.lag(self.config.materialize.group, key))
+            for key, count in stats.rows_by_table.items()
+            if count
+        }
+        return FlushTick(stats.flushed_lsn, staged)
+
+    def iceberg_summary(self, table_key: str) -> IcebergTableSummary:
+        """The mirror table's columns, row count and current snapshot."""
+        table = self.catalog.load_table(table_identifier(self.config, self.config.table(table_key)))
+        schema = table.schema()
+        key = {schema.find_field(field_id).name for field_id in schema.identifier_field_ids}
+        snapshot = table.current_snapshot()
+        summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
+        return IcebergTableSummary(
+            columns=[(f.name, str(f.field_type), f.name in key) for f in schema.fields],
+            row_count=int(summary.get("total-records", 0)),
+            snapshot_id=snapshot.snapshot_id if snapshot else None,
+        )
+
+    def check_table(self, table_key: str) -> TableCheckReport:
+        """One row per primary key; the schema follows the source; the rows equal the source's when
+        nothing is left to merge (compared at one consistent point of the source)."""
+        table = self.catalog.load_table(table_identifier(self.config, self.config.table(table_key)))
+        duplicates, examples = duplicate_keys(table)
+        source = self.validate(refresh=True).tables[table_key]
+        problems = schema_mismatches(source, table)
+        lag = self.lag(table_key)
+        content = ContentCheck(lag.changes) if lag.changes > 0 else self._compare_with_source(table_key, source.oid)
+        return TableCheckReport(duplicates, examples, problems, content)
+
+    def _compare_with_source(self, table_key: str, oid: int) -> ContentCheck:
+        """Compare the table with the source, noting whether the source was written meanwhile."""
+        with connect(self.config.source) as stats_conn:
+            writes_before = modification_count(stats_conn, oid)
+            started = time.monotonic()
+            (diff,) = self.verify([table_key], refresh=False)  # the caller just refreshed the columns
+            time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - started)))
+            written = modification_count(stats_conn, oid) != writes_before
+        return ContentCheck(0, diff, written)
 
     def run(self, stop: threading.Event, interval: float | None = None) -> None:
         """Everything in one process: snapshot, then stream in a thread while merging.
@@ -165,7 +300,7 @@ class Pipeline:
                             result.changes,
                             result.seconds,
                             ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
-                            result.lag,
+                            result.lag.changes,
                         )
                 _wait_for_either(stop, staged, wait)
         finally:
@@ -220,8 +355,7 @@ class Pipeline:
                     snapshot_complete=bool(state and state.snapshot_complete),
                     chunks_done=sum(c.done for c in chunks),
                     chunks_total=len(chunks),
-                    log_head=self.store.log_head(table.key),
-                    mat_cursor=self.store.mat_cursor(self.config.materialize.group, table.key),
+                    lag=self.store.lag(self.config.materialize.group, table.key),
                     snapshot_epoch=state.snapshot_epoch if state else None,
                 )
             )

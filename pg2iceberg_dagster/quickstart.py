@@ -202,7 +202,7 @@ def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: i
         materializer = pipeline.materializer()
         while time.monotonic() - started < seconds:
             for key, result in materializer.run_once().items():
-                print(f"merged {key}: {result.changes} changes, lag {result.lag}")
+                print(f"merged {key}: {result.changes} changes, lag {result.lag.changes}")
             time.sleep(2)
         stop_writes.set()
         writer.join()

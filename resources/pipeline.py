@@ -60,5 +60,5 @@ class Pg2IcebergResource(ConfigurableResource):
     @contextmanager
     def pipeline(self, spark_factory: Callable[[], Any] | None = None) -> Iterator[Pipeline]:
         """An engine Pipeline for the duration of one step or tick."""
-        with Pipeline(self.load_config(), spark_factory=spark_factory, config_path=self.config_path) as pipeline:
+        with Pipeline(self.load_config(), spark_factory=spark_factory, detached_holder=True) as pipeline:
             yield pipeline

@@ -14,7 +14,6 @@ from dagster import (
 
 from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.errors import SlotBusyError
-from pg2iceberg_dagster.source.lsn import format_lsn
 from resources import Pg2IcebergResource
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
@@ -32,37 +31,30 @@ def flusher_sensor(translator: Pg2IcebergTranslator, tick_seconds: float = TICK_
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
-            pipeline.store.migrate()
-            if pipeline.store.flushed_lsn() is None:
-                return SkipReason("waiting for the snapshot to create the replication slot")
             try:
-                stats = pipeline.stream(max_seconds=tick_seconds)
+                tick = pipeline.flush_tick(max_seconds=tick_seconds)
             except SlotBusyError as exc:
                 return SkipReason(str(exc))
-            events = []
-            group = pipeline.config.materialize.group
-            for table in pipeline.config.tables:
-                staged = stats.rows_by_table.get(table.key, 0)
-                if not staged:
-                    continue
-                head = pipeline.store.log_head(table.key)
-                cursor = pipeline.store.mat_cursor(group, table.key)
-                events.append(
-                    AssetMaterialization(
-                        asset_key=translator.staged_log_key(table),
-                        metadata={
-                            "changes_staged": staged,
-                            "log_head": head,
-                            "mat_cursor": cursor,
-                            "lag": head - cursor,
-                            "flushed_lsn": format_lsn(stats.flushed_lsn),
-                            "flushed_lsn_bytes": stats.flushed_lsn,
-                        },
-                    )
-                )
-        context.update_cursor(format_lsn(stats.flushed_lsn))
+        if tick is None:
+            return SkipReason("waiting for the snapshot to create the replication slot")
+        events = [
+            AssetMaterialization(
+                asset_key=translator.staged_log_key(table),
+                metadata={
+                    "changes_staged": tick.staged[table.key][0],
+                    "log_head": tick.staged[table.key][1].log_head,
+                    "mat_cursor": tick.staged[table.key][1].mat_cursor,
+                    "lag": tick.staged[table.key][1].changes,
+                    "flushed_lsn": tick.flushed_lsn_text,
+                    "flushed_lsn_bytes": tick.flushed_lsn,
+                },
+            )
+            for table in translator.config.tables
+            if table.key in tick.staged
+        ]
+        context.update_cursor(tick.flushed_lsn_text)
         if not events:
-            return SkipReason(f"no new changes; flushed_lsn {format_lsn(stats.flushed_lsn)}")
+            return SkipReason(f"no new changes; flushed_lsn {tick.flushed_lsn_text}")
         return SensorResult(asset_events=events)
 
     return _flusher

@@ -32,9 +32,9 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
         requests = []
         runs = []
         with pg2iceberg.pipeline() as pipeline:
-            runner = pipeline.snapshot_runner()
             for table in translator.config.tables:
-                chunks = pipeline.store.chunks(table.key) or runner.plan(runner.report.tables[table.key])
+                plan = pipeline.snapshot_plan(table.key)
+                chunks = plan.chunks
                 partitions = partitions_def(translator, table)
                 known = set(partitions.get_partition_keys(dynamic_partitions_store=context.instance))
                 new = [chunk.partition_key for chunk in chunks if chunk.partition_key not in known]
@@ -43,11 +43,10 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
                 key = translator.snapshot_key(table)
                 materialized = context.instance.get_materialized_partitions(key)
                 redo = [chunk for chunk in chunks if not chunk.done and chunk.partition_key in materialized]
-                state = pipeline.store.table_state(table.key)
-                if redo and state is not None:
+                if redo:
                     runs.append(
                         RunRequest(
-                            run_key=f"{table.key}:epoch-{state.snapshot_epoch}:read-again",
+                            run_key=f"{table.key}:epoch-{plan.epoch}:read-again",
                             asset_selection=[key],
                             tags={
                                 ASSET_PARTITION_RANGE_START_TAG: redo[0].partition_key,

@@ -21,6 +21,7 @@ from dagster import (
     instance_for_test,
     materialize,
 )
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.tables import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
 from definitions import build_definitions
@@ -81,7 +82,7 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
     source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
     source.execute("CREATE TABLE public.customers (id int PRIMARY KEY, name text)")
     source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, 4000) g")
-    source.execute("INSERT INTO public.customers SELECT g, 'c' || g FROM generate_series(1, 100) g")
+    source.execute("INSERT INTO public.customers SELECT g, 'c' || g FROM generate_series(1, 3000) g")
     config_path = _write_config(source, tmp_path, ["public.orders", "public.customers"])
     defs = build_definitions(config_path)
     ns = f"{source.name}_public"
@@ -144,8 +145,18 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
 
         # The other table's chunks: one range run; the holder lets go once every table is done.
         customer_keys = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
-        for key in customer_keys:
-            assert materialize([customers_snapshot], partition_key=key, instance=instance).success
+        assert len(customer_keys) > 1
+        ranged = materialize(
+            [customers_snapshot],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: customer_keys[0], ASSET_PARTITION_RANGE_END_TAG: customer_keys[-1]},
+        )
+        assert ranged.success
+        runs = {
+            m.metadata["chunks_run"].value
+            for m in ranged.asset_materializations_for_node(customers_snapshot.node_def.name)
+        }
+        assert runs == {len(customer_keys)}, "one run read every chunk of the range"
     pipeline = source.pipeline(source.config(["public.customers"]))
     deadline = time.monotonic() + 30
     while pipeline.store.exported_snapshot(holder_lock_key(pipeline.config)) and time.monotonic() < deadline:

@@ -3,6 +3,7 @@ publication, snapshot state without a slot. Every entry point refuses, says what
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.errors import StartupCheckError
 from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.snapshot import holder
 from pg2iceberg_dagster.snapshot.holder import hold_snapshot
 
 from .conftest import Crash, SourceDb, config_on, crash_writing_chunks_from, footprint
@@ -111,18 +113,21 @@ def test_slot_dropped_mid_snapshot_is_refused(source: SourceDb, monkeypatch: pyt
     assert footprint(config)["slot"] == [], "a new slot was created"
 
 
-def test_chunks_read_without_a_slot_are_refused(source: SourceDb, tmp_path: Path) -> None:
+def test_chunks_read_without_a_slot_are_refused(
+    source: SourceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Dagster chunk runs import the snapshot of a holder process. When the holder cannot create the
     slot, a chunk run must not read anyway: nothing would replay the changes after its read."""
     source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
     source.execute("INSERT INTO public.t SELECT g, 'v' FROM generate_series(1, 500) g")
     config = source.config(["public.t"])
     pipeline = source.pipeline(config)
-    # The holder process dies at once (its config file is missing), so no slot is created.
-    pipeline.config_path = str(tmp_path / "missing.yaml")
+    # The holder process dies at once, so no slot is created.
+    pipeline.detached_holder = True
+    monkeypatch.setattr(holder, "HOLDER_COMMAND", (sys.executable, "-c", "raise SystemExit('holder cannot start')"))
     runner = pipeline.snapshot_runner()
     chunk = runner.plan(pipeline.validate().tables["public.t"])[0]
-    with pytest.raises(StartupCheckError, match=r"hold-snapshot.*stopped without one.*missing\.yaml"):
+    with pytest.raises(StartupCheckError, match=r"hold-snapshot.*stopped without one.*holder cannot start"):
         runner.run_partitions("public.t", [chunk.partition_key])
     state = footprint(config)
     assert state["slot"] == [] and not any('"status":"done"' in r for r in state["_pg2iceberg.snapshot_progress"])

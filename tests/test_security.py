@@ -14,10 +14,19 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from dagster import AssetKey, EnvVar, instance_for_test, materialize
+from dagster import (
+    AssetKey,
+    EnvVar,
+    SensorResult,
+    build_sensor_context,
+    evaluate_automation_conditions,
+    instance_for_test,
+    materialize,
+)
 from psycopg import sql
 
 from assets import Pg2IcebergTranslator, table_definitions
+from definitions import build_definitions
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
@@ -125,7 +134,7 @@ def test_source_password_appears_nowhere(
     assert cli("stream", "--until-caught-up") == 0
     source = PostgresResource(host="127.0.0.1", port=cluster.port, dbname="app", user=ROLE, password=EnvVar(ENV))
     pg2iceberg = Pg2IcebergResource(config_path=str(config_path), source=source)
-    _, assets = table_definitions(Pg2IcebergTranslator(config), str(config_path))
+    _, assets = table_definitions(Pg2IcebergTranslator(config), pg2iceberg)
     live = next(a for a in assets if AssetKey(["iceberg", "public", "accounts"]) in a.keys)
     with instance_for_test() as instance:
         result = materialize(
@@ -189,3 +198,68 @@ def test_source_password_appears_nowhere(
         ]
         loggers = sorted({r.name for r in caplog.records if secret in r.getMessage() or secret in str(r.__dict__)})
         assert leaks == [], f"the password leaked into {leaks} (loggers: {loggers})"
+
+
+@pytest.mark.usefixtures("spark")
+def test_dagster_password_reaches_the_holder_process_and_automation(
+    make_cluster: Callable[..., EmbeddedPostgres], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The YAML's password variable is unset; only the Dagster resource has the password (an EnvVar).
+    A chunk run, the snapshot holder process it starts, the flusher sensor and the merge automation
+    condition must all connect with it: none may fall back to re-reading the YAML."""
+    password = f"Pw-{secrets.token_urlsafe(24)}"
+    cluster = make_cluster(
+        hba=[f"host all {ROLE} 127.0.0.1/32 scram-sha-256", f"host replication {ROLE} 127.0.0.1/32 scram-sha-256"]
+    )
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {}").format(sql.Identifier(ROLE), password))
+        conn.execute(sql.SQL("CREATE DATABASE app OWNER {}").format(sql.Identifier(ROLE)))
+    as_role = f"host=127.0.0.1 port={cluster.port} user={ROLE} dbname=app password={password}"
+    with psycopg.connect(as_role, autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.accounts (id int PRIMARY KEY, owner text)")
+        conn.execute("INSERT INTO public.accounts SELECT g, 'o' || g FROM generate_series(1, 300) g")
+    yaml_variable, dagster_variable = "PG2ICEBERG_TEST_YAML_PASSWORD", "PG2ICEBERG_TEST_DAGSTER_PASSWORD"
+    monkeypatch.delenv(yaml_variable, raising=False)
+    monkeypatch.setenv(dagster_variable, password)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+    config_path = tmp_path / "pg2iceberg.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "source": {"host": "127.0.0.1", "port": cluster.port, "user": ROLE, "dbname": "app",
+                           "password_env": yaml_variable},
+                "tables": [{"name": "public.accounts"}],
+                "replication": {"slot": "override_slot", "publication": "override_pub"},
+                "staging": {"url": f"file://{tmp_path}/staging"},
+                "iceberg": {"catalog": {"name": "override_catalog"}, "warehouse": f"file://{tmp_path}/warehouse"},
+                "flush": {"interval_seconds": 0.5},
+            }
+        )
+    )  # fmt: skip
+    source = PostgresResource(
+        host="127.0.0.1", port=cluster.port, dbname="app", user=ROLE, password=EnvVar(dagster_variable)
+    )
+    pg2iceberg = Pg2IcebergResource(config_path=str(config_path), source=source)
+    defs = build_definitions(config_path, pg2iceberg)
+    snapshot = defs.resolve_assets_def(AssetKey(["iceberg", "public", "accounts_snapshot"]))
+    live = AssetKey(["iceberg", "public", "accounts"])
+    resources = {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
+    with instance_for_test() as instance:
+        with build_sensor_context(instance=instance, resources=resources) as context:
+            planned = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")(context)
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        for key in keys:  # the first run starts the holder process, which creates the slot
+            assert materialize([snapshot], partition_key=key, instance=instance).success
+        with psycopg.connect(as_role, autocommit=True) as conn:
+            conn.execute("UPDATE public.accounts SET owner = 'changed' WHERE id <= 10")
+        with build_sensor_context(instance=instance, resources=resources) as context:
+            flushed = defs.resolve_sensor_def("pg2iceberg_flusher")(context)
+        assert isinstance(flushed, SensorResult) and flushed.asset_events
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
+        assert evaluation.get_num_requested(live) == 1, "the automation condition saw the lag"
+    with pg2iceberg.process_config_and_initialize_cm() as resource, Pipeline(resource.load_config()) as pipeline:
+        pipeline.materialize()
+        (diff,) = pipeline.verify()
+        assert diff.ok and diff.pg_rows == 300

@@ -94,6 +94,20 @@ class LogEntry:
     byte_size: int
 
 
+@dataclass(frozen=True)
+class Lag:
+    """Where a consumer group stands in a table's staged log: the changes from ``mat_cursor`` up to
+    ``log_head`` are staged and not merged yet."""
+
+    mat_cursor: int = 0
+    log_head: int = 0
+
+    @property
+    def changes(self) -> int:
+        """Staged changes waiting for a merge."""
+        return self.log_head - self.mat_cursor
+
+
 def snapshot_holder_lock(slot: str) -> int:
     """The advisory lock a snapshot holder holds while it lives (see snapshot.holder)."""
     return zlib.crc32(f"pg2iceberg:snapshot-holder:{slot}".encode()) & 0x7FFFFFFF
@@ -383,6 +397,17 @@ class CoordinationStore:
             (group, table_name),
         ).fetchone()
         return int(row[0]) if row else 0
+
+    def lag(self, group: str, table_name: str) -> Lag:
+        """``group``'s mat_cursor and the log head of ``table_name``, read together."""
+        row = self.conn.execute(
+            "SELECT coalesce((SELECT next_offset FROM _pg2iceberg.mat_cursor WHERE group_name = %s "
+            "AND table_name = %s), 0), coalesce((SELECT next_offset FROM _pg2iceberg.log_seq "
+            "WHERE table_name = %s), 0)",
+            (group, table_name, table_name),
+        ).fetchone()
+        assert row is not None
+        return Lag(int(row[0]), int(row[1]))
 
     def min_mat_cursor(self, table_name: str) -> int:
         row = self.conn.execute(

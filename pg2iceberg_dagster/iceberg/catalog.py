@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.schema import Schema
 from pyiceberg.table import Table
-from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType
+from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
@@ -22,10 +23,36 @@ from .types import field_ids, iceberg_schema, iceberg_type
 T = TypeVar("T")
 
 
-def catalog_properties(config: PipelineConfig) -> dict[str, str]:
-    """pyiceberg catalog properties for the configured catalog (secrets resolved from the environment)."""
+def shared_catalog_properties(config: PipelineConfig) -> dict[str, str]:
+    """The catalog's properties in Iceberg's own names, the same for pyiceberg and Spark: the
+    warehouse, a REST catalog's uri and credential, the S3 FileIO settings, then ``catalog.properties``.
+    Secrets are resolved from the environment now."""
     catalog = config.iceberg.catalog
     properties: dict[str, str] = {"warehouse": config.iceberg.warehouse}
+    if catalog.type == "rest":
+        properties["uri"] = catalog.uri or ""
+        credential = secret_from_env(catalog.credential_env, "iceberg.catalog.credential_env")
+        if credential:
+            properties["credential"] = credential
+    if config.staging.url.startswith("s3://") or config.iceberg.warehouse.startswith("s3://"):
+        s3 = config.staging.s3
+        access_key, secret_key = s3.credentials()
+        properties["s3.region"] = properties["client.region"] = s3.region  # pyiceberg's name, Java's name
+        if s3.endpoint:
+            properties["s3.endpoint"] = s3.endpoint
+        if s3.path_style:
+            properties["s3.path-style-access"] = "true"
+        if access_key and secret_key:
+            properties["s3.access-key-id"] = access_key
+            properties["s3.secret-access-key"] = secret_key
+    properties.update(catalog.properties)
+    return properties
+
+
+def catalog_properties(config: PipelineConfig) -> dict[str, str]:
+    """pyiceberg's properties: the shared ones plus the catalog type (and a SQL catalog's database URL)."""
+    catalog = config.iceberg.catalog
+    properties: dict[str, str] = {"type": catalog.type}
     if catalog.type == "sql":
         pg = config.catalog_connection
         url = URL.create(
@@ -36,27 +63,38 @@ def catalog_properties(config: PipelineConfig) -> dict[str, str]:
             port=pg.port,
             database=pg.dbname,
         )
-        properties.update(type="sql", uri=url.render_as_string(hide_password=False))
+        properties["uri"] = url.render_as_string(hide_password=False)
+    return {**properties, **shared_catalog_properties(config)}
+
+
+def spark_catalog_conf(config: PipelineConfig) -> dict[str, str]:
+    """Spark's ``spark.sql.catalog.<name>`` settings: the shared properties plus Spark's catalog
+    implementation (and a SQL catalog's JDBC connection)."""
+    catalog = config.iceberg.catalog
+    prefix = f"spark.sql.catalog.{catalog.name}"
+    properties: dict[str, str] = {
+        # pyiceberg evolves schemas between merges: never merge against a cached, stale table.
+        "cache-enabled": "false",
+    }
+    if catalog.type == "sql":
+        pg = config.catalog_connection
+        properties.update(
+            {
+                "type": "jdbc",
+                "uri": f"jdbc:postgresql://{pg.host}:{pg.port}/{pg.dbname}",
+                "jdbc.user": pg.user,
+                "jdbc.schema-version": "V1",
+            }
+        )
+        password = pg.resolved_password()
+        if password:
+            properties["jdbc.password"] = password
     elif catalog.type == "rest":
-        properties.update(type="rest", uri=catalog.uri or "")
-        credential = secret_from_env(catalog.credential_env, "iceberg.catalog.credential_env")
-        if credential:
-            properties["credential"] = credential
+        properties["type"] = "rest"
     else:
-        properties["type"] = "glue"
-    if config.staging.url.startswith("s3://") or config.iceberg.warehouse.startswith("s3://"):
-        s3 = config.staging.s3
-        access_key, secret_key = s3.credentials()
-        properties["s3.region"] = s3.region
-        if s3.endpoint:
-            properties["s3.endpoint"] = s3.endpoint
-        if s3.path_style:
-            properties["s3.path-style-access"] = "true"
-        if access_key and secret_key:
-            properties["s3.access-key-id"] = access_key
-            properties["s3.secret-access-key"] = secret_key
-    properties.update(catalog.properties)
-    return properties
+        properties["catalog-impl"] = "org.apache.iceberg.aws.glue.GlueCatalog"
+    properties.update(shared_catalog_properties(config))
+    return {prefix: "org.apache.iceberg.spark.SparkCatalog", **{f"{prefix}.{k}": v for k, v in properties.items()}}
 
 
 def open_catalog(config: PipelineConfig) -> Catalog:
@@ -105,12 +143,59 @@ def _is_widening(current: IcebergType, wanted: IcebergType) -> bool:
     return isinstance(wanted, _WIDENINGS.get(type(current), ()))
 
 
+def _same_shape(current: IcebergType, wanted: IcebergType) -> bool:
+    # Lists compare with element ids; the element type is what matters.
+    current_element = getattr(current, "element_type", None)
+    wanted_element = getattr(wanted, "element_type", None)
+    return current_element is not None and current_element == wanted_element
+
+
+ColumnFit = Literal["same", "widen", "holds", "incompatible"]
+
+
+def column_fit(current: IcebergType, wanted: IcebergType) -> ColumnFit:
+    """How an Iceberg column of type ``current`` takes a source column that maps to ``wanted``: the
+    one type-compatibility rule of schema evolution and of the schema check.
+
+    ``same``; ``widen`` (a safe widening to apply first); ``holds`` (narrowed at the source: the
+    wider Iceberg type holds every value); ``incompatible`` (any other change of type).
+    """
+    if current == wanted or _same_shape(current, wanted):
+        return "same"
+    if _is_widening(current, wanted):
+        return "widen"
+    if _is_widening(wanted, current):
+        return "holds"
+    return "incompatible"
+
+
+def _iceberg_field(schema: Schema, name: str) -> NestedField | None:
+    return schema.find_field(name, case_sensitive=True) if name in schema.column_names else None
+
+
+def schema_follows_source(schema: Schema, columns: Sequence[SourceColumn]) -> list[str]:
+    """What keeps ``schema`` from taking the source ``columns`` as they are (empty when nothing):
+    a missing column, a widening not applied yet, an incompatible type."""
+    element_ids = field_ids(10_000)  # only the types are compared
+    problems = []
+    for column in columns:
+        wanted = iceberg_type(column.type, column.name, element_ids)
+        field = _iceberg_field(schema, column.name)
+        if field is None:
+            problems.append(f"{column.name}: missing in Iceberg (source type {column.type.name})")
+        elif column_fit(field.field_type, wanted) == "widen":
+            problems.append(f"{column.name}: Iceberg {field.field_type} is narrower than the source's {wanted}")
+        elif column_fit(field.field_type, wanted) == "incompatible":
+            problems.append(f"{column.name}: Iceberg {field.field_type}, source maps to {wanted}")
+    return problems
+
+
 def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
     """Bring the Iceberg schema up to the source columns: add new ones, apply safe widenings.
 
     Columns dropped at the source stay in Iceberg (they keep their history and read null from then
     on). A column narrowed at the source keeps its wider Iceberg type; any other change of type is
-    refused. Returns a description of each change.
+    refused (see :func:`column_fit`). Returns a description of each change.
     """
     schema = table.schema()
     changes: list[str] = []
@@ -121,18 +206,15 @@ def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
 
     for column in columns:
         wanted = iceberg_type(column.type, column.name, element_ids)
-        field = schema.find_field(column.name, case_sensitive=True) if column.name in schema.column_names else None
+        field = _iceberg_field(schema, column.name)
+        fit = None if field is None else column_fit(field.field_type, wanted)
         if field is None:
             additions.append((column.name, wanted))
             changes.append(f"add column {column.name} {wanted}")
-        elif _is_widening(field.field_type, wanted):
+        elif fit == "widen":
             widenings.append((column.name, wanted))
             changes.append(f"widen {column.name} {field.field_type} -> {wanted}")
-        elif (
-            field.field_type != wanted
-            and not _is_widening(wanted, field.field_type)  # narrowed at the source: the wider type holds it
-            and not _same_shape(field.field_type, wanted)
-        ):
+        elif fit == "incompatible":
             raise UnsupportedTypeError(
                 f"{table.name()}: column {column.name} changed from {field.field_type} to {wanted} at the source; "
                 "only widening changes (int->bigint, real->double, numeric precision up, varchar->text) are replicated"
@@ -145,13 +227,6 @@ def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
         for name, wanted in widenings:
             update.update_column(name, field_type=wanted)
     return changes
-
-
-def _same_shape(current: IcebergType, wanted: IcebergType) -> bool:
-    # Lists compare with element ids; the element type is what matters.
-    current_element = getattr(current, "element_type", None)
-    wanted_element = getattr(wanted, "element_type", None)
-    return current_element is not None and current_element == wanted_element
 
 
 def commit_with_retry(operation: Callable[[], T], attempts: int = 8) -> T:

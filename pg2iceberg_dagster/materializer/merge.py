@@ -24,13 +24,14 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig, TableConfig
-from ..coordination.store import CoordinationStore, LogEntry, SnapshotEpoch
+from ..coordination.store import CoordinationStore, Lag, LogEntry, SnapshotEpoch
 from ..errors import SchemaChangeError
 from ..faults import crash_point
 from ..iceberg.catalog import evolve_schema, table_identifier
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
 from ..source.catalog import columns_added_with_default
 from ..source.connection import connect
+from ..source.lsn import format_lsn
 from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
 from ..staging.store import ObjectStore
@@ -52,8 +53,7 @@ class MergeResult:
     deletes: int = 0
     truncated: bool = False
     schema_changes: tuple[str, ...] = ()
-    cursor: int = 0
-    head: int = 0
+    lag: Lag = field(default_factory=Lag)  # after the merge
     last_lsn: int | None = None
     snapshot_id: int | None = None
     waiting_for_snapshot: bool = False
@@ -62,8 +62,9 @@ class MergeResult:
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
-    def lag(self) -> int:
-        return self.head - self.cursor
+    def last_lsn_text(self) -> str:
+        """The LSN the last merged change was flushed at, as PostgreSQL writes LSNs ("none" before any)."""
+        return format_lsn(self.last_lsn) if self.last_lsn else "none"
 
 
 # read: staged files fetched and decoded; fold: folded by key (plus TOAST fills and schema evolution);
@@ -260,10 +261,6 @@ class Materializer:
             self._spark = self._spark_factory()
         return self._spark
 
-    def lag(self, table_key: str) -> tuple[int, int]:
-        """(cursor, head) of a table's staged log for this group."""
-        return self.store.mat_cursor(self.group, table_key), self.store.log_head(table_key)
-
     def materialize_table(self, table_key: str, max_batches: int | None = None, rounds: int = 1) -> MergeResult:
         """Apply the table's staged log up to its current head (or ``max_batches`` batches).
 
@@ -274,13 +271,12 @@ class Materializer:
         cold merge ran, instead of leaving it to the next run and its new JVM.
         """
         started = time.monotonic()
-        cursor, head = self.lag(table_key)
-        result = MergeResult(table=table_key, cursor=cursor, head=head)
+        result = MergeResult(table=table_key, lag=self.store.lag(self.group, table_key))
         state = self.store.table_state(table_key)
         if state is None or not state.snapshot_complete:
             result.waiting_for_snapshot = True
             return result
-        if cursor >= head:
+        if result.lag.changes <= 0:
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
             self._start_spark(table_key, result.timings)
@@ -295,7 +291,7 @@ class Materializer:
                         break
                     self._apply_batch(table_key, cursor, entries, result, self.replay_epoch(table_key))
                     result.batches += 1
-        result.cursor, result.head = self.lag(table_key)
+        result.lag = self.store.lag(self.group, table_key)
         result.seconds = time.monotonic() - started
         return result
 

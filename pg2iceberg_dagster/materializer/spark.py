@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config import PipelineConfig
 from ..errors import ConfigError
+from ..iceberg.catalog import spark_catalog_conf
 
 PGJDBC_JAR = "/usr/share/java/postgresql.jar"
 
@@ -43,8 +44,6 @@ SHORT_LIVED_CONF = {
 
 def spark_conf(config: PipelineConfig) -> dict[str, str]:
     """Every Spark setting: Iceberg extensions, the catalog (secrets resolved now), user conf last."""
-    name = config.iceberg.catalog.name
-    prefix = f"spark.sql.catalog.{name}"
     conf: dict[str, str] = {
         "spark.app.name": config.spark.app_name,
         "spark.sql.extensions": "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions",
@@ -60,29 +59,8 @@ def spark_conf(config: PipelineConfig) -> dict[str, str]:
             for kind in ("datetime", "int96")
             for way in ("Read", "Write")
         },
-        prefix: "org.apache.iceberg.spark.SparkCatalog",
-        f"{prefix}.warehouse": config.iceberg.warehouse,
-        # pyiceberg evolves schemas between merges: never merge against a cached, stale table.
-        f"{prefix}.cache-enabled": "false",
+        **spark_catalog_conf(config),
     }
-    catalog = config.iceberg.catalog
-    if catalog.type == "sql":
-        pg = config.catalog_connection
-        conf.update(
-            {
-                f"{prefix}.type": "jdbc",
-                f"{prefix}.uri": f"jdbc:postgresql://{pg.host}:{pg.port}/{pg.dbname}",
-                f"{prefix}.jdbc.user": pg.user,
-                f"{prefix}.jdbc.schema-version": "V1",
-            }
-        )
-        password = pg.resolved_password()
-        if password:
-            conf[f"{prefix}.jdbc.password"] = password
-    elif catalog.type == "rest":
-        conf.update({f"{prefix}.type": "rest", f"{prefix}.uri": catalog.uri or ""})
-    else:
-        conf[f"{prefix}.catalog-impl"] = "org.apache.iceberg.aws.glue.GlueCatalog"
     if config.spark.packages:
         conf["spark.jars.packages"] = ",".join(config.spark.packages)
     jars = config.spark.jars if config.spark.jars is not None else ([] if config.spark.packages else default_jars())
@@ -108,14 +86,20 @@ def py4j_quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def build_spark_session(config: PipelineConfig):  # type: ignore[no-untyped-def]
-    """Create (or reuse) the SparkSession: ``spark.remote`` for Spark Connect, else ``spark.master``."""
+def build_spark_session(config: PipelineConfig, short_lived: bool = False):  # type: ignore[no-untyped-def]
+    """Create (or reuse) the SparkSession: ``spark.remote`` for Spark Connect, else ``spark.master``.
+
+    ``short_lived``: the JVM serves one merge (a Dagster run), so :data:`SHORT_LIVED_CONF` applies
+    unless the config's ``spark.conf`` says otherwise."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder
     builder = builder.remote(config.spark.remote) if config.spark.remote else builder.master(config.spark.master)
-    for key, value in spark_conf(config).items():
+    settings = spark_conf(config)
+    if short_lived and not config.spark.remote:
+        settings = {**SHORT_LIVED_CONF, **settings}
+    for key, value in settings.items():
         builder = builder.config(key, value)
     with py4j_quiet():
         session = builder.getOrCreate()

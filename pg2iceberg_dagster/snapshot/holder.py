@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from ..source.lsn import parse_lsn
 from ..source.replication import create_slot_with_snapshot
 from ..source.xid_snapshot import exported_snapshot_text
 
-HOLDER_COMMAND = (sys.executable, "-m", "pg2iceberg_dagster.cli")
+HOLDER_COMMAND = (sys.executable, "-m", "pg2iceberg_dagster.snapshot.holder_process")
 
 
 def holder_lock_key(config: PipelineConfig) -> int:
@@ -150,19 +151,24 @@ def working_on_snapshot(config: PipelineConfig) -> Iterator[None]:
         yield
 
 
-def spawn_holder(config_path: str, max_seconds: float) -> subprocess.Popen[bytes]:
-    """Start ``pg2iceberg-dagster hold-snapshot`` as a detached process that outlives the caller.
+def spawn_holder(config: PipelineConfig, max_seconds: float) -> subprocess.Popen[bytes]:
+    """Start :func:`hold_snapshot` in a detached process that outlives the caller (see holder_process).
 
-    Its stderr goes to an unnamed temporary file (``process.stderr``), read if it exits early."""
+    ``config`` goes to it through a pipe, secrets included. Its stderr goes to an unnamed temporary
+    file (``process.stderr``), read if it exits early."""
     errors = tempfile.TemporaryFile()  # noqa: SIM115 - handed to the child and kept on the Popen
     process = subprocess.Popen(
-        [*HOLDER_COMMAND, "-c", config_path, "hold-snapshot", "--max-seconds", str(max_seconds)],
-        stdin=subprocess.DEVNULL,
+        [*HOLDER_COMMAND, str(max_seconds)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=errors,
         start_new_session=True,
         env=os.environ.copy(),
     )
+    assert process.stdin is not None
+    with contextlib.suppress(BrokenPipeError):  # a child that died at once says why on stderr
+        process.stdin.write(pickle.dumps(config))
+    process.stdin.close()
     process.stderr = errors  # type: ignore[assignment]
     return process
 

@@ -79,8 +79,8 @@ class TableSnapshotResult:
 class SnapshotRunner:
     """Plans and runs the snapshot of the configured tables that are not complete yet.
 
-    With ``config_path`` the holder is a detached ``hold-snapshot`` process (it outlives this one, so a
-    crash here loses no progress); without, a thread of this process.
+    With ``detached_holder`` the holder is a detached process (it outlives this one, so a crash here
+    loses no progress); without, a thread of this process.
     """
 
     def __init__(
@@ -89,13 +89,13 @@ class SnapshotRunner:
         store: CoordinationStore,
         report: StartupReport,
         catalog: Catalog,
-        config_path: str | None = None,
+        detached_holder: bool = False,
     ) -> None:
         self.config = config
         self.store = store
         self.report = report
         self.catalog = catalog
-        self.config_path = config_path
+        self.detached_holder = detached_holder
         self._tables: dict[str, Table] = {}
         self._schemas: dict[str, pa.Schema] = {}
         self._holder_thread: HolderThread | None = None
@@ -273,7 +273,7 @@ class SnapshotRunner:
         """The exported snapshot to read under, while this process counts as a snapshot worker.
 
         A live holder's snapshot is imported; otherwise a holder is started (a detached process with
-        ``config_path``, else a thread that stops on leaving) and its snapshot is awaited.
+        ``detached_holder``, else a thread that stops on leaving) and its snapshot is awaited.
         """
         with working_on_snapshot(self.config):
             advertised = self._live_advertised_snapshot()
@@ -282,8 +282,8 @@ class SnapshotRunner:
                 return
             stop = threading.Event()
             alive: HolderThread | Any
-            if self.config_path:
-                alive = spawn_holder(self.config_path, HOLDER_MAX_SECONDS)
+            if self.detached_holder:
+                alive = spawn_holder(self.config, HOLDER_MAX_SECONDS)
             else:
                 alive = HolderThread(self.config, stop)
                 alive.start()
