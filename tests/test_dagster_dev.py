@@ -67,10 +67,10 @@ def _wait(predicate, what: str, log_hint: Path) -> None:  # type: ignore[no-unty
 
 @pytest.mark.usefixtures("spark")
 def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
-    dagster_dev: tuple[Path, str], source: SourceDb, tmp_path: Path
+    dagster_dev: tuple[Path, str], source: SourceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     home, name = dagster_dev
-    os.environ["DAGSTER_HOME"] = str(home)
+    monkeypatch.setenv("DAGSTER_HOME", str(home))  # for DagsterInstance.get(); restored after the test
     live = AssetKey(["iceberg", f"{name}_public", "orders"])
     snapshot = AssetKey(["iceberg", f"{name}_public", "orders_snapshot"])
     log = tmp_path / "dagster_dev.log"
