@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +50,7 @@ from .holder import (
     working_on_snapshot,
 )
 from .reader import ArrowReader
+from .stages import ChunkStages
 
 ChunkCallback = Callable[[Chunk, int], None]
 CHUNKS_IN_MEMORY_PER_WORKER = 4
@@ -309,92 +308,21 @@ class SnapshotRunner:
         results: dict[str, TableSnapshotResult],
         on_chunk: ChunkCallback | None = None,
     ) -> None:
-        """Run chunks under ``snapshot``, adding to ``results``; the first failure cancels what has not
-        started and is raised.
-
-        Three stages overlap: up to ``snapshot.parallelism`` chunks are read at once, as many are
-        written as data files, and one committer commits every chunk of a table written by then in
-        one Iceberg commit (group commit), so neither the source connections nor the file writers
-        wait for commits. Commits do not multiply with chunks: while more chunks of a table are
-        coming, they are ``MIN_COMMIT_INTERVAL_SECONDS`` apart. At most
-        ``CHUNKS_IN_MEMORY_PER_WORKER`` x ``parallelism`` chunks are read and not yet written.
-        """
+        """Run chunks under ``snapshot`` through read, write and commit (see :mod:`.stages`), adding to
+        ``results``; the first failure cancels what has not started and is raised."""
         parallelism = self.config.snapshot.parallelism
-        held = threading.BoundedSemaphore(CHUNKS_IN_MEMORY_PER_WORKER * parallelism)
-        ready: dict[str, list[WrittenChunk]] = {}
-        ready_changed = threading.Condition()  # guards ready, unwritten and last_commit
-        unwritten = Counter(table.key for table, _ in work)
-        last_commit: dict[str, float] = {}
-        # Inner pools shut down first, so every chunk is handed to a stage still running.
-        with (
-            ArrowReader(self.config.source) as reader,
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-commit") as committers,
-            ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-write") as writers,
-            ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="chunk-read") as readers,
-        ):
-
-            def commit_ready(table: SourceTable) -> list[tuple[Chunk, int]]:
-                with ready_changed:
-                    previous = last_commit.get(table.key)
-                    if previous is not None:
-                        deadline = previous + MIN_COMMIT_INTERVAL_SECONDS
-                        ready_changed.wait_for(
-                            lambda: unwritten[table.key] == 0 or time.monotonic() >= deadline,
-                            timeout=max(0.0, deadline - time.monotonic()),
-                        )
-                    batch = ready.pop(table.key, [])
-                    if batch:
-                        last_commit[table.key] = time.monotonic()
-                return self.commit_chunks(table, batch, snapshot.epoch) if batch else []
-
-            def hand_over(table: SourceTable, written: WrittenChunk | None) -> None:
-                """Give a written chunk (None: its write failed) to the committer's pile."""
-                with ready_changed:
-                    if written is not None:
-                        ready.setdefault(table.key, []).append(written)
-                    unwritten[table.key] -= 1
-                    if unwritten[table.key] == 0:
-                        ready_changed.notify_all()
-
-            def write_then_hand_over(table: SourceTable, chunk: Chunk, rows: pa.Table) -> Future[Any]:
-                try:
-                    written = self.write_chunk(table, chunk, rows)
-                except BaseException:
-                    hand_over(table, None)
-                    raise
-                finally:
-                    held.release()
-                hand_over(table, written)
-                return committers.submit(commit_ready, table)
-
-            def read_then_hand_over(table: SourceTable, chunk: Chunk) -> Future[Any]:
-                held.acquire()
-                try:
-                    rows = self.read_chunk(reader, table, chunk, snapshot)
-                except BaseException:
-                    held.release()
-                    raise
-                return writers.submit(write_then_hand_over, table, chunk, rows)
-
-            reads = [readers.submit(read_then_hand_over, table, chunk) for table, chunk in work]
-            pending: set[Future[Any]] = set(reads)
-            try:
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        outcome = future.result()
-                        if isinstance(outcome, Future):  # a read or a write handed its chunk on
-                            pending.add(outcome)
-                            continue
-                        for chunk, rows in outcome:
-                            result = results[chunk.table_name]
-                            result.rows += rows
-                            result.chunks_run += 1
-                            if on_chunk:
-                                on_chunk(chunk, rows)
-            except BaseException:
-                # Reads not started are dropped; chunks already read are still written and committed
-                # (they are valid progress).
-                for future in reads:
-                    future.cancel()
-                raise
+        with ArrowReader(self.config.source) as reader:
+            stages = ChunkStages(
+                read=lambda table, chunk: self.read_chunk(reader, table, chunk, snapshot),
+                write=self.write_chunk,
+                commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch),
+                parallelism=parallelism,
+                in_memory=CHUNKS_IN_MEMORY_PER_WORKER * parallelism,
+                min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
+            )
+            for chunk, rows in stages.run(work):
+                result = results[chunk.table_name]
+                result.rows += rows
+                result.chunks_run += 1
+                if on_chunk:
+                    on_chunk(chunk, rows)
