@@ -34,7 +34,8 @@ import psycopg
 import pyarrow.parquet as pq
 
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
-from pg2iceberg_dagster.materializer.merge import PHASES, merge_statement, spark_identifier
+from pg2iceberg_dagster.materializer.merge import PHASES
+from pg2iceberg_dagster.materializer.spark_sql import merge_statement, spark_identifier
 from pg2iceberg_dagster.pipeline import Pipeline
 
 from .common import SOURCE_DB, Report, argument_parser, bench_cluster, bench_config, fill_table, timed, work_dir

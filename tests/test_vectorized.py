@@ -12,8 +12,8 @@ import pytest
 
 from pg2iceberg_dagster.errors import UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
+from pg2iceberg_dagster.materializer.arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from pg2iceberg_dagster.materializer.fold import fold
-from pg2iceberg_dagster.materializer.merge import _spark_arrow_schema, _spark_value, folded_arrow
 from pg2iceberg_dagster.materializer.vectorized import can_fold_vectorized, fold_vectorized
 from pg2iceberg_dagster.source.catalog import PgType, SourceColumn
 from pg2iceberg_dagster.staging import codec
@@ -142,7 +142,7 @@ def assert_same_fold(files: list[bytes], iceberg_columns: tuple[SourceColumn, ..
     table = StubTable(iceberg_columns)
     expected = folded_arrow(fold([codec.decode(data) for data in files], ["id"]), table)  # type: ignore[arg-type]
     iceberg_arrow = arrow_schema(table.schema())
-    got = fold_vectorized(staged, ["id"], iceberg_arrow, _spark_arrow_schema(iceberg_arrow), _spark_value)
+    got = fold_vectorized(staged, ["id"], iceberg_arrow, spark_arrow_schema(iceberg_arrow), spark_value)
     assert got.rows.schema == expected.schema
     assert got.changes == sum(t.num_rows for _, t in staged)
     assert got.deletes == sum(1 for op in expected.column("_op").to_pylist() if op == DELETE)
@@ -195,5 +195,5 @@ def test_a_value_that_does_not_fit_names_its_column() -> None:
     iceberg_arrow = arrow_schema(StubTable(narrow).schema())
     with pytest.raises(UnsupportedTypeError, match="column n"):
         fold_vectorized(
-            [read_staged(d) for d in files], ["id"], iceberg_arrow, _spark_arrow_schema(iceberg_arrow), _spark_value
+            [read_staged(d) for d in files], ["id"], iceberg_arrow, spark_arrow_schema(iceberg_arrow), spark_value
         )

@@ -28,18 +28,18 @@ from ..coordination.store import CoordinationStore, Lag, LogEntry, SnapshotEpoch
 from ..errors import SchemaChangeError
 from ..faults import crash_point
 from ..iceberg.catalog import evolve_schema, table_identifier
-from ..iceberg.types import arrow_column, arrow_schema, text_loaders
+from ..iceberg.types import arrow_schema
 from ..source.catalog import columns_added_with_default
 from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
 from ..staging.store import ObjectStore
-from .fold import FoldResult, fold
+from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
+from .fold import fold
+from .spark_sql import merge_statement, spark_identifier
+from .toast_fill import fill_moved_keys
 from .vectorized import can_fold_vectorized, fold_vectorized
-
-OP_COLUMN = "_op"
-UNCHANGED_COLUMN = "_unchanged"
 
 
 @dataclass
@@ -100,139 +100,6 @@ class PreparedBatch:
     has_unchanged: bool
     # Folded by Arrow compute (see materializer.vectorized) rather than change by change.
     vectorized: bool
-
-
-def spark_identifier(*parts: str) -> str:
-    """Backtick-quoted Spark SQL identifier."""
-    return ".".join("`" + part.replace("`", "``") + "`" for part in parts)
-
-
-def _spark_string(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def merge_statement(
-    target: str, source_view: str, columns: list[str], key: list[str], keep_unchanged: bool = True
-) -> str:
-    """MERGE INTO: delete, update (unchanged TOAST columns keep the target's value) or insert per key.
-
-    ``keep_unchanged=False`` gives the plain statement (every column from the source), for a source
-    without unchanged columns.
-    """
-    on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
-    assignments = ", ".join(
-        (
-            f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {_spark_string(c)}) "
-            f"THEN t.{spark_identifier(c)} ELSE s.{spark_identifier(c)} END"
-            if keep_unchanged
-            else f"t.{spark_identifier(c)} = s.{spark_identifier(c)}"
-        )
-        for c in columns
-        if c not in key
-    )
-    column_list = ", ".join(spark_identifier(c) for c in columns)
-    values = ", ".join(f"s.{spark_identifier(c)}" for c in columns)
-    update = f"WHEN MATCHED AND s.{OP_COLUMN} = 'U' THEN UPDATE SET {assignments} " if assignments else ""
-    return (
-        f"MERGE INTO {target} t USING {source_view} s ON {on} "
-        f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
-        f"{update}"
-        f"WHEN NOT MATCHED AND s.{OP_COLUMN} = 'U' THEN INSERT ({column_list}) VALUES ({values})"
-    )
-
-
-def _spark_type(arrow_type: pa.DataType) -> pa.DataType:
-    """Spark reads Iceberg uuid values as strings and cannot read Parquet's UUID logical type,
-    at the top level or inside a list (uuid[])."""
-    if isinstance(arrow_type, pa.BaseExtensionType):
-        return pa.string()
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
-        element = _spark_type(arrow_type.value_type)
-        if element != arrow_type.value_type:
-            return pa.list_(pa.field(arrow_type.value_field.name, element))
-    return arrow_type
-
-
-def _spark_value(value: Any) -> Any:
-    """A Python value as it goes into a column of :func:`_spark_type` (uuid -> its text)."""
-    if isinstance(value, list):
-        return [_spark_value(item) for item in value]
-    return None if value is None else str(value)
-
-
-def _spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
-    fields = []
-    for arrow_field in schema:
-        spark_type = _spark_type(arrow_field.type)
-        same = spark_type == arrow_field.type
-        fields.append(arrow_field.remove_metadata() if same else pa.field(arrow_field.name, spark_type))
-    return pa.schema(fields)
-
-
-def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
-    """The folded rows as Arrow, typed like the Iceberg table, with ``_op`` and ``_unchanged``."""
-    iceberg_arrow = arrow_schema(table.schema())
-    spark_schema = _spark_arrow_schema(iceberg_arrow)
-    columns = [field.name for field in iceberg_arrow]
-    # Keyed by identity: hashing a relation (every column and type) once per row costs more than the fold.
-    loaders_by_relation: dict[int, dict[str, Callable[[bytes], Any]]] = {}
-    values: dict[str, list[Any]] = {name: [] for name in columns}
-    ops: list[str] = []
-    unchanged: list[list[str]] = []
-    for row in folded.rows.values():
-        relation = row.relation
-        if relation is not None and id(relation) not in loaders_by_relation:
-            loaders_by_relation[id(relation)] = dict(
-                zip((c.name for c in relation.columns), text_loaders(relation.columns), strict=True)
-            )
-        loaders = loaders_by_relation.get(id(relation), {})
-        missing = [name for name in columns if name not in row.data and name not in row.unchanged]
-        for name in columns:
-            text = row.data.get(name)
-            loader = loaders.get(name)
-            if name in row.filled:
-                values[name].append(row.filled[name])
-            elif text is None or loader is None:
-                values[name].append(None)
-            else:
-                values[name].append(loader(text.encode()))
-        ops.append(row.op)
-        unchanged.append(sorted((row.unchanged - row.filled.keys()) | (set(missing) if row.op != DELETE else set())))
-    arrays = []
-    for iceberg_field, spark_field in zip(iceberg_arrow, spark_schema, strict=True):
-        column_values = values[iceberg_field.name]
-        if spark_field.type != iceberg_field.type:
-            column_values = [None if v is None else _spark_value(v) for v in column_values]
-        arrays.append(arrow_column(column_values, spark_field.type, iceberg_field.name))
-    arrays.append(pa.array(ops, pa.string()))
-    arrays.append(pa.array(unchanged, pa.list_(pa.string())))
-    schema = spark_schema.append(pa.field(OP_COLUMN, pa.string())).append(
-        pa.field(UNCHANGED_COLUMN, pa.list_(pa.string()))
-    )
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def fill_moved_keys(folded: FoldResult, table: Table, key: list[str]) -> None:
-    """Fill unchanged columns of rows whose primary key changed from the old key's row in Iceberg."""
-    moved = [row for row in folded.rows.values() if row.fill_from_key is not None and row.unchanged]
-    if not moved:
-        return
-    schema = arrow_schema(table.schema())
-    text_keys = {row.fill_from_key for row in moved}
-    current: dict[tuple[str, ...], dict[str, Any]] = {}
-    for record in table.scan().to_arrow().cast(schema).to_pylist():
-        # Compare in text form: the staged key values are PostgreSQL text.
-        record_key = tuple(_key_text(record[k]) for k in key)
-        if record_key in text_keys:
-            current[record_key] = record
-    for row in moved:
-        old = current.get(row.fill_from_key)  # type: ignore[arg-type]
-        if old is not None:
-            row.filled = {name: old[name] for name in row.unchanged if name in old}
-
-
-def _key_text(value: Any) -> str:
-    return str(value) if not isinstance(value, bool) else ("t" if value else "f")
 
 
 class Materializer:
@@ -356,8 +223,8 @@ class Materializer:
                 table = self.catalog.load_table(identifier)
             if can_fold_vectorized(staged):
                 iceberg_arrow = arrow_schema(table.schema())
-                spark_schema = _spark_arrow_schema(iceberg_arrow)
-                fast = fold_vectorized(staged, key, iceberg_arrow, spark_schema, _spark_value)
+                spark_schema = spark_arrow_schema(iceberg_arrow)
+                fast = fold_vectorized(staged, key, iceberg_arrow, spark_schema, spark_value)
                 return PreparedBatch(
                     identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,

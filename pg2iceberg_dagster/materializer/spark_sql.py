@@ -1,0 +1,45 @@
+"""The Spark SQL the materializer sends: quoted identifiers and the MERGE INTO statement."""
+
+from __future__ import annotations
+
+OP_COLUMN = "_op"
+UNCHANGED_COLUMN = "_unchanged"
+
+
+def spark_identifier(*parts: str) -> str:
+    """Backtick-quoted Spark SQL identifier."""
+    return ".".join("`" + part.replace("`", "``") + "`" for part in parts)
+
+
+def _spark_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def merge_statement(
+    target: str, source_view: str, columns: list[str], key: list[str], keep_unchanged: bool = True
+) -> str:
+    """MERGE INTO: delete, update (unchanged TOAST columns keep the target's value) or insert per key.
+
+    ``keep_unchanged=False`` gives the plain statement (every column from the source), for a source
+    without unchanged columns.
+    """
+    on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
+    assignments = ", ".join(
+        (
+            f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {_spark_string(c)}) "
+            f"THEN t.{spark_identifier(c)} ELSE s.{spark_identifier(c)} END"
+            if keep_unchanged
+            else f"t.{spark_identifier(c)} = s.{spark_identifier(c)}"
+        )
+        for c in columns
+        if c not in key
+    )
+    column_list = ", ".join(spark_identifier(c) for c in columns)
+    values = ", ".join(f"s.{spark_identifier(c)}" for c in columns)
+    update = f"WHEN MATCHED AND s.{OP_COLUMN} = 'U' THEN UPDATE SET {assignments} " if assignments else ""
+    return (
+        f"MERGE INTO {target} t USING {source_view} s ON {on} "
+        f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
+        f"{update}"
+        f"WHEN NOT MATCHED AND s.{OP_COLUMN} = 'U' THEN INSERT ({column_list}) VALUES ({values})"
+    )
