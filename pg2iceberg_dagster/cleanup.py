@@ -58,7 +58,7 @@ def reset_table(config: PipelineConfig, store: CoordinationStore, catalog: Catal
     for path in paths:
         objects.delete(path)
     with contextlib.suppress(NoSuchTableError):
-        catalog.drop_table(table_identifier(config, config.table(table_key)))
+        catalog.drop_table(table_identifier(config, table_key))
 
 
 def reset_all(config: PipelineConfig, store: CoordinationStore, catalog: Catalog) -> CleanupResult:
@@ -66,7 +66,7 @@ def reset_all(config: PipelineConfig, store: CoordinationStore, catalog: Catalog
     result = CleanupResult()
     for table in config.tables:
         with contextlib.suppress(NoSuchTableError):
-            catalog.drop_table(table_identifier(config, table))
+            catalog.drop_table(table_identifier(config, table.key))
         result.tables_reset += 1
     objects = ObjectStore(config.staging)
     for key in objects.list():

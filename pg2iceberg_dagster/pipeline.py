@@ -232,7 +232,7 @@ class Pipeline:
 
     def iceberg_summary(self, table_key: str) -> IcebergTableSummary:
         """The mirror table's columns, row count and current snapshot."""
-        table = self.catalog.load_table(table_identifier(self.config, self.config.table(table_key)))
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
         schema = table.schema()
         key = {schema.find_field(field_id).name for field_id in schema.identifier_field_ids}
         snapshot = table.current_snapshot()
@@ -246,7 +246,7 @@ class Pipeline:
     def check_table(self, table_key: str) -> TableCheckReport:
         """One row per primary key; the schema follows the source; the rows equal the source's when
         nothing is left to merge (compared at one consistent point of the source)."""
-        table = self.catalog.load_table(table_identifier(self.config, self.config.table(table_key)))
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
         duplicates, examples = duplicate_keys(table)
         source = self.validate(refresh=True).tables[table_key]
         problems = schema_mismatches(source, table)
@@ -327,7 +327,7 @@ class Pipeline:
             for key, source in report.tables.items():
                 if table_keys is not None and key not in table_keys:
                     continue
-                identifier = table_identifier(self.config, self.config.table(key))
+                identifier = table_identifier(self.config, key)
                 try:
                     iceberg_table = self.catalog.load_table(identifier)
                 except NoSuchTableError:

@@ -245,9 +245,10 @@ def footprint(config: PipelineConfig, staged: bool = True) -> dict[str, Any]:
             )
     catalog = open_catalog(config)
     for table in config.tables:
-        identifier = table_identifier(config, table)
+        identifier = table_identifier(config, table.key)
         if catalog.table_exists(identifier):
-            result[f"iceberg:{identifier}"] = [s.snapshot_id for s in catalog.load_table(identifier).snapshots()]
+            snapshots = catalog.load_table(identifier).snapshots()
+            result[f"iceberg:{'.'.join(identifier)}"] = [snapshot.snapshot_id for snapshot in snapshots]
     if staged:
         result["staged"] = ObjectStore(config.staging).list()
     return result

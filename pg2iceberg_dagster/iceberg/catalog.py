@@ -15,7 +15,7 @@ from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, Int
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
-from ..config import PipelineConfig, TableConfig, secret_from_env
+from ..config import PipelineConfig, secret_from_env
 from ..errors import UnsupportedTypeError
 from ..source.catalog import SourceColumn, SourceTable
 from .types import field_ids, iceberg_schema, iceberg_type
@@ -108,16 +108,16 @@ def open_catalog(config: PipelineConfig) -> Catalog:
         return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
 
 
-def table_identifier(config: PipelineConfig, table: TableConfig) -> str:
-    """``namespace.table`` of the Iceberg mirror of ``table``."""
-    namespace, name = config.iceberg_identifier(table)
-    return f"{namespace}.{name}"
+def table_identifier(config: PipelineConfig, table_key: str) -> tuple[str, str]:
+    """``(namespace, name)`` of the Iceberg mirror of the configured table ``table_key``: always a
+    tuple, never dotted text, so a dot inside a name never makes a nested namespace."""
+    return config.iceberg_identifier(config.table(table_key))
 
 
 def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) -> Table:
     """Load the mirror table, creating it (primary key as identifier fields) when missing."""
-    identifier = table_identifier(config, config.table(source.key))
-    namespace = identifier.rsplit(".", 1)[0]
+    identifier = table_identifier(config, source.key)
+    namespace = identifier[:1]
     try:
         return catalog.load_table(identifier)
     except NoSuchTableError:

@@ -87,7 +87,7 @@ def timed_phase(timings: dict[str, float], phase: str) -> Iterator[None]:
 class PreparedBatch:
     """A batch read from the staged log, folded and typed: everything before the MERGE."""
 
-    identifier: str
+    identifier: tuple[str, str]
     table: Table
     key: list[str]
     rows: pa.Table
@@ -174,9 +174,9 @@ class Materializer:
             return
         with timed_phase(timings, "spark_start"):
             spark = self._spark_factory()
-            identifier = table_identifier(self.config, self.config.table(table_key))
+            identifier = table_identifier(self.config, table_key)
             # Loads the catalog and Iceberg's table classes now (the first table access costs seconds).
-            spark.table(spark_identifier(self.config.iceberg.catalog.name, *identifier.split("."))).schema  # noqa: B018
+            spark.table(spark_identifier(self.config.iceberg.catalog.name, *identifier)).schema  # noqa: B018
             self._spark = spark
 
     def prepare_batch(
@@ -194,7 +194,7 @@ class Materializer:
         """
         timings = {} if timings is None else timings
         table_config = self.config.table(table_key)
-        identifier = table_identifier(self.config, table_config)
+        identifier = table_identifier(self.config, table_key)
         with timed_phase(timings, "read"):
             table = self.catalog.load_table(identifier)
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
@@ -250,7 +250,7 @@ class Materializer:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
         spark = self.spark
-        target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier.split("."))
+        target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
         with timed_phase(timings, "spark_merge"):
             if prepared.truncated:
                 spark.sql(f"DELETE FROM {target}")

@@ -113,7 +113,7 @@ class SnapshotRunner:
             pages = table_pages(conn, table.oid)
         planned = plan_chunks(table.key, pages, self.config.snapshot.chunk_pages, self.report.server_version)
         return self.store.start_table_snapshot(
-            table.key, table.oid, table_identifier(self.config, self.config.table(table.key)), None, planned
+            table.key, table.oid, ".".join(table_identifier(self.config, table.key)), None, planned
         )
 
     def enter_epoch(self, table: SourceTable, epoch: int) -> tuple[list[Chunk], bool]:
@@ -151,7 +151,7 @@ class SnapshotRunner:
         loaded = self._tables.get(table.key)
         if loaded is None:
             loaded = self._tables[table.key] = self.catalog.load_table(
-                table_identifier(self.config, self.config.table(table.key))
+                table_identifier(self.config, table.key)
             )
         return loaded
 
