@@ -150,9 +150,7 @@ class SnapshotRunner:
         """The table's Iceberg table, loaded once per runner (commits refresh it)."""
         loaded = self._tables.get(table.key)
         if loaded is None:
-            loaded = self._tables[table.key] = self.catalog.load_table(
-                table_identifier(self.config, table.key)
-            )
+            loaded = self._tables[table.key] = self.catalog.load_table(table_identifier(self.config, table.key))
         return loaded
 
     def read_chunk(
