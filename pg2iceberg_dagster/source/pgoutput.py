@@ -183,8 +183,13 @@ class _Reader:
         return chr(self.u8())
 
     def cstring(self) -> str:
-        end = self.data.index(b"\0", self.pos)
-        value = self.data[self.pos : end].decode("utf-8")
+        end = self.data.find(b"\0", self.pos)
+        if end < 0:
+            raise DecodeError("message truncated: a string field has no NUL terminator")
+        try:
+            value = self.data[self.pos : end].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DecodeError(f"a string field is not valid utf-8: {exc.reason}") from None
         self.pos = end + 1
         return value
 
