@@ -1,0 +1,87 @@
+"""The coordination operations the flusher and the materializer need, as a structural type.
+
+:class:`~.store.CoordinationStore` (the ``_pg2iceberg`` schema in PostgreSQL) satisfies it, and so does
+:class:`~.memory.InMemoryCoordinationStore`, which gives the staged-log protocol fast tests without a
+server. Only what the two callers really call is named here: snapshot planning, pipeline identity
+and cleanup stay on the concrete stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # store.py may import take_batch from here
+    from .store import Lag, LogEntry, SnapshotEpoch, StagedFile, TableState
+
+
+def take_batch(entries: Iterable[LogEntry], max_rows: int | None) -> list[LogEntry]:
+    """The leading ``entries`` (in offset order) that hold about ``max_rows`` changes: stop before the
+    entry that would pass ``max_rows``, but take the first entry whatever its size."""
+    batch: list[LogEntry] = []
+    total = 0
+    for entry in entries:
+        if batch and max_rows is not None and total + entry.row_count > max_rows:
+            break
+        batch.append(entry)
+        total += entry.row_count
+    return batch
+
+
+class StagedLogStore(Protocol):
+    """The staged log, ``flushed_lsn``, the materializer cursors and the writer lease.
+
+    Offsets count staged changes per table: each registered file takes the next ``row_count`` of
+    them, so a table's log is contiguous from 0 and ``log_head`` is its next free offset.
+    """
+
+    # The flusher (flusher/flusher.py) -------------------------------------------------------------
+
+    def flushed_lsn(self) -> int | None:
+        """The LSN up to which every committed change is registered (None before the slot exists)."""
+        ...
+
+    def record_flushed_lsn(self, lsn: int) -> None:
+        """Move ``flushed_lsn`` to ``lsn``, never backwards (and not at all before it is seeded)."""
+        ...
+
+    def register_flush(self, files: Sequence[StagedFile], flushed_lsn: int) -> list[LogEntry]:
+        """All or nothing: give each file the next offsets of its table, index it, move ``flushed_lsn``."""
+        ...
+
+    # The materializer (materializer/merge.py) ------------------------------------------------------
+
+    def table_state(self, table_name: str) -> TableState | None:
+        """The table's snapshot state (None before its snapshot was planned)."""
+        ...
+
+    def snapshot_epoch(self, epoch: int) -> SnapshotEpoch:
+        """A recorded snapshot epoch; KeyError when there is none of that number."""
+        ...
+
+    def lag(self, group: str, table_name: str) -> Lag:
+        """``group``'s cursor and the table's log head, read together."""
+        ...
+
+    def log_head(self, table_name: str) -> int:
+        """The next offset the flusher will assign for ``table_name`` (0 when nothing was staged)."""
+        ...
+
+    def mat_cursor(self, group: str, table_name: str) -> int:
+        """The first offset of ``table_name`` not yet applied to Iceberg by ``group`` (0 at first)."""
+        ...
+
+    def log_entries(self, table_name: str, from_offset: int, max_rows: int | None = None) -> list[LogEntry]:
+        """Entries ending after ``from_offset`` in offset order, about ``max_rows`` changes (at least one)."""
+        ...
+
+    def advance_mat_cursor(
+        self, group: str, table_name: str, next_offset: int, last_lsn: int, iceberg_snapshot_id: int | None
+    ) -> None:
+        """Move ``group``'s cursor forward (only forward) after the Iceberg commit."""
+        ...
+
+    def writer_lease(self, group: str, table_name: str, worker_id: str) -> AbstractContextManager[None]:
+        """Hold the single-writer lease of (``group``, ``table_name``); LeaseBusyError when it is taken."""
+        ...
