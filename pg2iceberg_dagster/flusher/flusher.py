@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import PipelineConfig
-from ..coordination.store import CoordinationStore, StagedFile
+from ..coordination.protocol import StagedLogStore
+from ..coordination.store import StagedFile
 from ..faults import crash_point
 from ..source import pgoutput
 from ..source.catalog import SourceColumn, SourceTable, TypeResolver
@@ -81,7 +82,7 @@ def _count_flush(stats: FlushStats, files: list[StagedFile]) -> None:
 class Flusher:
     """Streams the slot into the staged log. One instance per process; the slot admits one consumer."""
 
-    def __init__(self, config: PipelineConfig, store: CoordinationStore, tables: dict[str, SourceTable]) -> None:
+    def __init__(self, config: PipelineConfig, store: StagedLogStore, tables: dict[str, SourceTable]) -> None:
         self.config = config
         self.store = store
         self.tables = tables

@@ -24,7 +24,8 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig, TableConfig
-from ..coordination.store import CoordinationStore, Lag, LogEntry, SnapshotEpoch
+from ..coordination.protocol import StagedLogStore
+from ..coordination.store import Lag, LogEntry, SnapshotEpoch
 from ..errors import SchemaChangeError
 from ..faults import crash_point
 from ..iceberg.catalog import evolve_schema, table_identifier
@@ -108,7 +109,7 @@ class Materializer:
     def __init__(
         self,
         config: PipelineConfig,
-        store: CoordinationStore,
+        store: StagedLogStore,
         catalog: Catalog,
         spark_factory: Callable[[], Any],
         worker_id: str | None = None,
