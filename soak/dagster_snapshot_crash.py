@@ -121,6 +121,10 @@ class DagsterSnapshotCrashScenario:
             stdout=self.log,
             stderr=self.log,
             stdin=subprocess.DEVNULL,
+            # Its own process group: the run's step runs in a child process (the multiprocess
+            # executor), and a kill must take both, as when the run's host dies. The holder a run
+            # starts is in a session of its own and survives, as it would.
+            start_new_session=True,
         )
 
     def _chunks_done(self) -> int:
@@ -164,7 +168,7 @@ class DagsterSnapshotCrashScenario:
         while victim.poll() is None and time.monotonic() < deadline and self._chunks_done() < before + more:
             time.sleep(0.05)
         if victim.poll() is None:
-            victim.send_signal(signal.SIGKILL)
+            os.killpg(victim.pid, signal.SIGKILL)
             self.result.faults["chunk_run.kill"] += 1
             self.result.restarts += 1
         for run in runs:
