@@ -20,11 +20,14 @@ class Pg2IcebergTranslator:
 
     config: PipelineConfig
 
+    # The graph labels a node by the last part of its key: each part says what the node is
+    # (``orders_source``, ``orders_staged_log``, ``orders_snapshot``, and ``orders``, the live table).
+
     def source_key(self, table: TableConfig) -> AssetKey:
-        return AssetKey(["pg", _safe(table.schema_name), _safe(table.table_name)])
+        return AssetKey(["pg", _safe(table.schema_name), f"{_safe(table.table_name)}_source"])
 
     def staged_log_key(self, table: TableConfig) -> AssetKey:
-        return AssetKey(["staged_log", _safe(table.schema_name), _safe(table.table_name)])
+        return AssetKey(["staged_log", _safe(table.schema_name), f"{_safe(table.table_name)}_staged_log"])
 
     def iceberg_key(self, table: TableConfig) -> AssetKey:
         namespace, name = self.config.iceberg_identifier(table)

@@ -79,10 +79,12 @@ class TableStatus:
 
 @dataclass(frozen=True)
 class SnapshotPlan:
-    """A table's CTID chunks (stored once, planned on first sight) and its snapshot epoch."""
+    """A table's CTID chunks (stored once, planned on first sight), its snapshot epoch and whether
+    its snapshot is complete."""
 
     chunks: list[Chunk]
     epoch: int | None
+    complete: bool
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class Pipeline:
         report = self.validate()
         chunks = self.store.chunks(table_key) or self.snapshot_runner().plan(report.tables[table_key])
         state = self.store.table_state(table_key)
-        return SnapshotPlan(chunks, state.snapshot_epoch if state else None)
+        return SnapshotPlan(chunks, state.snapshot_epoch if state else None, bool(state and state.snapshot_complete))
 
     def snapshot_chunks(self, table_key: str, partition_keys: list[str]) -> TableSnapshotResult:
         """Read the chunks named by ``partition_keys`` under the holder's exported snapshot."""

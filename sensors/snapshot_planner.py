@@ -1,8 +1,10 @@
 """Plans each table's CTID chunks (from its page count) and adds them as dynamic partitions; chunks that
 must be read again (their table started over in a new snapshot epoch, though Dagster shows them
-materialized) are requested as one ranged run, which skips the chunks already done."""
+materialized) are requested as one ranged run, which skips the chunks already done. Once a table's
+snapshot is complete, its live table is reported materialized (its data is complete)."""
 
 from dagster import (
+    AssetMaterialization,
     AssetSelection,
     DefaultSensorStatus,
     RunRequest,
@@ -16,7 +18,57 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 
 from assets.tables import partitions_def
 from assets.translator import Pg2IcebergTranslator
+from pg2iceberg_dagster.config import TableConfig
+from pg2iceberg_dagster.pipeline import Pipeline, SnapshotPlan
 from resources import Pg2IcebergResource
+
+
+def _read_again(
+    context: SensorEvaluationContext, translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan
+) -> RunRequest | None:
+    """One ranged run for the chunks Dagster shows materialized that the table must read again."""
+    key = translator.snapshot_key(table)
+    materialized = context.instance.get_materialized_partitions(key)
+    redo = [chunk for chunk in plan.chunks if not chunk.done and chunk.partition_key in materialized]
+    if not redo:
+        return None
+    return RunRequest(
+        run_key=f"{table.key}:epoch-{plan.epoch}:read-again",
+        asset_selection=[key],
+        tags={
+            ASSET_PARTITION_RANGE_START_TAG: redo[0].partition_key,
+            ASSET_PARTITION_RANGE_END_TAG: redo[-1].partition_key,
+        },
+    )
+
+
+def _live_table_complete(
+    context: SensorEvaluationContext,
+    translator: Pg2IcebergTranslator,
+    table: TableConfig,
+    plan: SnapshotPlan,
+    pipeline: Pipeline,
+) -> AssetMaterialization | None:
+    """The live table's first materialization, once its snapshot is complete: its data is there even
+    when no change has come since (then no merge ever runs to say so)."""
+    live = translator.iceberg_key(table)
+    if not plan.complete or context.instance.get_latest_materialization_event(live) is not None:
+        return None
+    summary = pipeline.iceberg_summary(table.key)
+    lag = pipeline.lag(table.key)
+    return AssetMaterialization(
+        asset_key=live,
+        description="the initial snapshot is complete",
+        metadata={
+            "dagster/table_name": translator.iceberg_table_name(table),
+            "dagster/row_count": summary.row_count,
+            "snapshot_epoch": plan.epoch if plan.epoch is not None else -1,
+            "mat_cursor": lag.mat_cursor,
+            "log_head": lag.log_head,
+            "lag": lag.changes,
+            "iceberg_snapshot_id": str(summary.snapshot_id or ""),
+        },
+    )
 
 
 def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinition:
@@ -25,37 +77,26 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
         minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.RUNNING,
         description="Stores each table's CTID chunk plan once and exposes it as snapshot partitions; "
-        "reruns chunks whose table started over under a new exported snapshot.",
+        "reruns chunks whose table started over under a new exported snapshot; reports the live table "
+        "once its snapshot is complete.",
         asset_selection=AssetSelection.assets(*[translator.snapshot_key(t) for t in translator.config.tables]),
     )
     def _planner(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
-        requests = []
-        runs = []
+        requests, runs, events = [], [], []
         with pg2iceberg.pipeline() as pipeline:
             for table in translator.config.tables:
                 plan = pipeline.snapshot_plan(table.key)
-                chunks = plan.chunks
                 partitions = partitions_def(translator, table)
                 known = set(partitions.get_partition_keys(dynamic_partitions_store=context.instance))
-                new = [chunk.partition_key for chunk in chunks if chunk.partition_key not in known]
+                new = [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known]
                 if new:
                     requests.append(partitions.build_add_request(new))
-                key = translator.snapshot_key(table)
-                materialized = context.instance.get_materialized_partitions(key)
-                redo = [chunk for chunk in chunks if not chunk.done and chunk.partition_key in materialized]
-                if redo:
-                    runs.append(
-                        RunRequest(
-                            run_key=f"{table.key}:epoch-{plan.epoch}:read-again",
-                            asset_selection=[key],
-                            tags={
-                                ASSET_PARTITION_RANGE_START_TAG: redo[0].partition_key,
-                                ASSET_PARTITION_RANGE_END_TAG: redo[-1].partition_key,
-                            },
-                        )
-                    )
-        if not requests and not runs:
+                if run := _read_again(context, translator, table, plan):
+                    runs.append(run)
+                if event := _live_table_complete(context, translator, table, plan, pipeline):
+                    events.append(event)
+        if not requests and not runs and not events:
             return SkipReason("every table's chunk partitions are registered")
-        return SensorResult(dynamic_partitions_requests=requests, run_requests=runs)
+        return SensorResult(dynamic_partitions_requests=requests, run_requests=runs, asset_events=events)
 
     return _planner

@@ -68,10 +68,10 @@ def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None
         live = specs[AssetKey(["iceberg", ns, table])]
         assert {dep.asset_key for dep in live.deps} == {
             AssetKey(["iceberg", ns, f"{table}_snapshot"]),
-            AssetKey(["staged_log", "public", table]),
+            AssetKey(["staged_log", "public", f"{table}_staged_log"]),
         }
         assert {dep.asset_key for dep in specs[AssetKey(["iceberg", ns, f"{table}_snapshot"])].deps} == {
-            AssetKey(["pg", "public", table])
+            AssetKey(["pg", "public", f"{table}_source"])
         }
         assert "iceberg" in live.kinds and live.automation_condition is not None
     automation = defs.resolve_sensor_def("pg2iceberg_merge_automation")
@@ -115,7 +115,7 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
         ticked = _tick(defs, "pg2iceberg_flusher", instance, config_path)
         assert isinstance(ticked, SensorResult)
         events = {event.asset_key: event for event in ticked.asset_events}
-        orders_event = events[AssetKey(["staged_log", "public", "orders"])]
+        orders_event = events[AssetKey(["staged_log", "public", "orders_staged_log"])]
         assert orders_event.metadata["lag"].value > 0
 
         # Automation: orders lags and its snapshot is complete, so it merges; customers lags but is not
@@ -157,6 +157,14 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
             for m in ranged.asset_materializations_for_node(customers_snapshot.node_def.name)
         }
         assert runs == {len(customer_keys)}, "one run read every chunk of the range"
+
+        # Its snapshot complete, the customers live table is reported materialized (no merge ran yet);
+        # orders, merged already, is not reported again.
+        ticked = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        assert isinstance(ticked, SensorResult)
+        live_events = {event.asset_key: event for event in ticked.asset_events}
+        assert set(live_events) == {AssetKey(["iceberg", ns, "customers"])}
+        assert live_events[AssetKey(["iceberg", ns, "customers"])].metadata["dagster/row_count"].value == 3000
     pipeline = source.pipeline(source.config(["public.customers"]))
     deadline = time.monotonic() + 30
     while pipeline.store.exported_snapshot(holder_lock_key(pipeline.config)) and time.monotonic() < deadline:

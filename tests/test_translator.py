@@ -36,8 +36,8 @@ def test_plain_table() -> None:
     t = translator(["public.orders"])
     table = only(t.config)
     assert keys(t, table) == [
-        AssetKey(["pg", "public", "orders"]),
-        AssetKey(["staged_log", "public", "orders"]),
+        AssetKey(["pg", "public", "orders_source"]),
+        AssetKey(["staged_log", "public", "orders_staged_log"]),
         AssetKey(["iceberg", "public", "orders_snapshot"]),
         AssetKey(["iceberg", "public", "orders"]),
     ]
@@ -54,8 +54,8 @@ def test_namespace_template_catalog_name_and_iceberg_name() -> None:
     table = only(t.config)
     assert t.iceberg_key(table) == AssetKey(["iceberg", "raw_sales", "orders_v2"])
     assert t.snapshot_key(table) == AssetKey(["iceberg", "raw_sales", "orders_v2_snapshot"])
-    assert t.source_key(table) == AssetKey(["pg", "sales", "orders"]), "the source keeps the PostgreSQL name"
-    assert t.staged_log_key(table) == AssetKey(["staged_log", "sales", "orders"])
+    assert t.source_key(table) == AssetKey(["pg", "sales", "orders_source"]), "the source keeps the PostgreSQL name"
+    assert t.staged_log_key(table) == AssetKey(["staged_log", "sales", "orders_staged_log"])
     assert t.iceberg_table_name(table) == "lake.raw_sales.orders_v2"
     assert t.group_name(table) == "sales", "grouped by source schema, not namespace"
 
@@ -73,8 +73,8 @@ def test_namespace_template_catalog_name_and_iceberg_name() -> None:
 def test_hostile_names_are_sanitised(name: str, schema_part: str, table_part: str) -> None:
     t = translator([name], iceberg={"namespace": "ns.{schema}"})
     table = only(t.config)
-    assert t.source_key(table) == AssetKey(["pg", schema_part, table_part])
-    assert t.staged_log_key(table) == AssetKey(["staged_log", schema_part, table_part])
+    assert t.source_key(table) == AssetKey(["pg", schema_part, f"{table_part}_source"])
+    assert t.staged_log_key(table) == AssetKey(["staged_log", schema_part, f"{table_part}_staged_log"])
     assert t.iceberg_key(table) == AssetKey(["iceberg", f"ns_{schema_part}", table_part])
     assert t.snapshot_key(table) == AssetKey(["iceberg", f"ns_{schema_part}", f"{table_part}_snapshot"])
     assert t.group_name(table) == schema_part
@@ -113,7 +113,7 @@ def test_translator_is_frozen_and_overridable() -> None:
     config = translator(["public.orders"]).config
     flat = Flat(config)
     assert flat.group_name(only(config)) == "mirror"
-    assert flat.source_key(only(config)) == AssetKey(["pg", "public", "orders"])
+    assert flat.source_key(only(config)) == AssetKey(["pg", "public", "orders_source"])
     with pytest.raises(AttributeError):
         flat.config = config  # type: ignore[misc]
 
