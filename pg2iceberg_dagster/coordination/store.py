@@ -14,6 +14,7 @@ from ..errors import LeaseBusyError
 from ..source.connection import connect
 from ..source.lsn import format_lsn, parse_lsn
 from .migrations import migrate
+from .protocol import take_batch
 
 
 @dataclass(frozen=True)
@@ -363,20 +364,17 @@ class CoordinationStore:
 
     def log_entries(self, table_name: str, from_offset: int, max_rows: int | None = None) -> list[LogEntry]:
         """Entries ending after ``from_offset`` in offset order, about ``max_rows`` changes (at least one)."""
-        entries: list[LogEntry] = []
-        total = 0
-        for row in self.conn.execute(
+        rows = self.conn.execute(
             "SELECT table_name, start_offset, end_offset, path, first_lsn::text, flushable_lsn::text, "
             "row_count, byte_size FROM _pg2iceberg.log_index WHERE table_name = %s AND end_offset > %s "
             "ORDER BY start_offset",
             (table_name, from_offset),
-        ):
-            entry = LogEntry(row[0], row[1], row[2], row[3], parse_lsn(row[4]), parse_lsn(row[5]), row[6], row[7])
-            if entries and max_rows is not None and total + entry.row_count > max_rows:
-                break
-            entries.append(entry)
-            total += entry.row_count
-        return entries
+        )
+        entries = (
+            LogEntry(name, start, end, path, parse_lsn(first), parse_lsn(flushable), count, size)
+            for name, start, end, path, first, flushable, count, size in rows
+        )
+        return take_batch(entries, max_rows)
 
     def delete_log_entries_before(self, table_name: str, offset: int) -> list[str]:
         """Drop index rows entirely below ``offset``; returns their file paths for deletion."""
