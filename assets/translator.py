@@ -2,36 +2,156 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 from dagster import AssetKey
 
 from pg2iceberg_dagster.config import PipelineConfig, TableConfig
+from pg2iceberg_dagster.errors import ConfigError
+
+# Hex digits of sha1(schema.table) a table's names carry when they would collide with another table's;
+# longer only if two such suffixes meet (a sha1 prefix shared by two names).
+SUFFIX_HEX = 6
 
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
+class _Parts(NamedTuple):
+    """The sanitised name parts the keys and partitions name of one table are made of."""
+
+    schema: str
+    table: str  # the table name, suffixed when the table's names would collide
+    namespace: str
+    name: str  # the Iceberg table name, suffixed like ``table``
+
+    @property
+    def source(self) -> list[str]:
+        return ["pg", self.schema, f"{self.table}_source"]
+
+    @property
+    def staged_log(self) -> list[str]:
+        return ["staged_log", self.schema, f"{self.table}_staged_log"]
+
+    @property
+    def live(self) -> list[str]:
+        return ["iceberg", self.namespace, self.name]
+
+    @property
+    def snapshot(self) -> list[str]:
+        return ["iceberg", self.namespace, f"{self.name}_snapshot"]
+
+    @property
+    def partitions(self) -> str:
+        return f"ctid_chunks__{self.schema}__{self.table}"
+
+    def names(self) -> set[tuple[str, str]]:
+        """Every name Dagster derives from these parts and needs unique: the four asset keys, the op
+        names made of them (parts joined with ``__``), and the partitions name."""
+        keys = [self.source, self.staged_log, self.snapshot, self.live]
+        return (
+            {("asset key", "/".join(key)) for key in keys}
+            | {("op", "__".join(key)) for key in keys}
+            | {("partitions", self.partitions)}
+        )
+
+
+def _suffix(table_key: str, length: int) -> str:
+    return hashlib.sha1(table_key.encode(), usedforsecurity=False).hexdigest()[:length]
+
+
+def _parts(config: PipelineConfig, table: TableConfig, suffix: str = "") -> _Parts:
+    namespace, name = config.iceberg_identifier(table)
+    tail = f"_{suffix}" if suffix else ""
+    return _Parts(_safe(table.schema_name), _safe(table.table_name) + tail, _safe(namespace), _safe(name) + tail)
+
+
+def _clean(config: PipelineConfig, table: TableConfig) -> bool:
+    """Whether sanitising leaves the table's own names (schema, table, Iceberg name) as they are."""
+    _, name = config.iceberg_identifier(table)
+    return all(_safe(part) == part for part in (table.schema_name, table.table_name, name))
+
+
+def _check_iceberg_identifiers(config: PipelineConfig) -> None:
+    """Two tables mirrored into one Iceberg table is a config mistake, not a naming collision to suffix away."""
+    mirrors: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for table in config.tables:
+        mirrors[config.iceberg_identifier(table)].append(table.key)
+    for (namespace, name), keys in mirrors.items():
+        if len(keys) > 1:
+            raise ConfigError(
+                f"tables {', '.join(keys)} would all be mirrored into the Iceberg table {namespace}.{name}: "
+                "give them different iceberg_name values"
+            )
+
+
+def _suffix_lengths(config: PipelineConfig) -> dict[str, int]:
+    """How many hex digits of sha1(schema.table) each table's names carry (0: none, the plain names).
+
+    A table keeps its plain names unless one of them equals a name of another table. Then the tables
+    whose own names were changed by sanitising give way first (a name that reads ``public.a_b`` stays
+    public.a_b's, however many ``public."a b"`` or ``public.a$b`` are added); if the colliding tables
+    all have clean names (``orders`` and ``orders_snapshot``, ``a__b.c`` and ``a.b__c``) they all carry
+    the suffix. This repeats until every name is unique, so the result depends on the set of tables,
+    not on their order in the config."""
+    tables = {table.key: table for table in config.tables}
+    lengths = dict.fromkeys(tables, 0)
+    while True:
+        owners: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for key, table in tables.items():
+            for name in _parts(config, table, _suffix(key, lengths[key])).names():
+                owners[name].add(key)
+        colliding = {key for keys in owners.values() if len(keys) > 1 for key in keys}
+        if not colliding:
+            return lengths
+        plain = {key for key in colliding if not lengths[key]}
+        yielding = {key for key in plain if not _clean(config, tables[key])} or plain
+        if yielding:
+            lengths.update(dict.fromkeys(yielding, SUFFIX_HEX))
+            continue
+        # Suffixed names still meet (a shared sha1 prefix): lengthen their suffixes.
+        if any(lengths[key] >= 40 for key in colliding):
+            raise ConfigError(f"cannot give the tables {', '.join(sorted(colliding))} distinct Dagster names")
+        lengths.update({key: lengths[key] + 2 for key in colliding})
+
+
 @dataclass(frozen=True)
 class Pg2IcebergTranslator:
-    """Subclass and override to change how tables appear in Dagster."""
+    """Subclass and override to change how tables appear in Dagster.
+
+    Names are the schema and table names with every character outside ``[A-Za-z0-9_]`` replaced by
+    ``_``. Where that would give two tables the same asset key, op or partitions name, the tables
+    involved carry a short hex suffix of sha1(schema.table) after their table part (``a_b_3f2c1a``);
+    every other table keeps its plain names."""
 
     config: PipelineConfig
+
+    @cached_property
+    def _suffixes(self) -> dict[str, str]:
+        """The suffix of each configured table's names, by table key ("" for the plain names)."""
+        _check_iceberg_identifiers(self.config)
+        return {key: _suffix(key, length) for key, length in _suffix_lengths(self.config).items()}
+
+    def _table_parts(self, table: TableConfig) -> _Parts:
+        return _parts(self.config, table, self._suffixes.get(table.key, ""))
 
     # The graph labels a node by the last part of its key: each part says what the node is
     # (``orders_source``, ``orders_staged_log``, ``orders_snapshot``, and ``orders``, the live table).
 
     def source_key(self, table: TableConfig) -> AssetKey:
-        return AssetKey(["pg", _safe(table.schema_name), f"{_safe(table.table_name)}_source"])
+        return AssetKey(self._table_parts(table).source)
 
     def staged_log_key(self, table: TableConfig) -> AssetKey:
-        return AssetKey(["staged_log", _safe(table.schema_name), f"{_safe(table.table_name)}_staged_log"])
+        return AssetKey(self._table_parts(table).staged_log)
 
     def iceberg_key(self, table: TableConfig) -> AssetKey:
-        namespace, name = self.config.iceberg_identifier(table)
-        return AssetKey(["iceberg", _safe(namespace), _safe(name)])
+        return AssetKey(self._table_parts(table).live)
 
     def snapshot_key(self, table: TableConfig) -> AssetKey:
         *namespace, name = self.iceberg_key(table).path
@@ -42,7 +162,7 @@ class Pg2IcebergTranslator:
 
     def partitions_name(self, table: TableConfig) -> str:
         """Name of the table's dynamic CTID-chunk partitions."""
-        return f"ctid_chunks__{_safe(table.schema_name)}__{_safe(table.table_name)}"
+        return self._table_parts(table).partitions
 
     def iceberg_table_name(self, table: TableConfig) -> str:
         namespace, name = self.config.iceberg_identifier(table)

@@ -1,16 +1,24 @@
 """Pg2IcebergTranslator without IO: asset keys, groups, partitions names and descriptions per table,
-from a parsed config alone (no server, no Dagster instance)."""
+from a parsed config alone (no server, no Dagster instance), and names kept unique across tables so
+the code location built from them loads."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
-from dagster import AssetKey
+import yaml
+from dagster import AssetKey, DagsterInvalidDefinitionError, Definitions
 
+from assets import table_definitions
 from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.config import PipelineConfig, TableConfig, parse_config
+from pg2iceberg_dagster.errors import ConfigError
+from resources import Pg2IcebergResource, SparkResource
+from sensors import flusher_sensor, merge_automation_sensor, snapshot_planner_sensor
 
 # What Dagster accepts as a name (asset key parts become op and asset names, groups and partitions too).
 DAGSTER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -118,33 +126,174 @@ def test_translator_is_frozen_and_overridable() -> None:
         flat.config = config  # type: ignore[misc]
 
 
+def suffix(table_key: str, length: int = 6) -> str:
+    return hashlib.sha1(table_key.encode()).hexdigest()[:length]
+
+
+def safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+class Plain(Pg2IcebergTranslator):
+    """The names before collisions were resolved: every table sanitised on its own."""
+
+    def source_key(self, table: TableConfig) -> AssetKey:
+        return AssetKey(["pg", safe(table.schema_name), f"{safe(table.table_name)}_source"])
+
+    def staged_log_key(self, table: TableConfig) -> AssetKey:
+        return AssetKey(["staged_log", safe(table.schema_name), f"{safe(table.table_name)}_staged_log"])
+
+    def iceberg_key(self, table: TableConfig) -> AssetKey:
+        namespace, name = self.config.iceberg_identifier(table)
+        return AssetKey(["iceberg", safe(namespace), safe(name)])
+
+    def partitions_name(self, table: TableConfig) -> str:
+        return f"ctid_chunks__{safe(table.schema_name)}__{safe(table.table_name)}"
+
+
 def names(t: Pg2IcebergTranslator) -> list[str]:
-    """Every asset key and partitions name the tables of ``t`` get."""
-    found = [key.to_user_string() for table in t.config.tables for key in keys(t, table)]
-    return found + [t.partitions_name(table) for table in t.config.tables]
+    """Every asset key, op name (the key's parts joined by ``__``) and partitions name of the tables of ``t``."""
+    found = [t.partitions_name(table) for table in t.config.tables]
+    for table in t.config.tables:
+        found += [name for key in keys(t, table) for name in (key.to_user_string(), key.to_python_identifier())]
+    return found
 
 
-def collides(tables: list[str], case: str, reason: str) -> Any:
-    """A case whose names collide today: a strict xfail, so a fix in the translator shows."""
-    return pytest.param(tables, id=case, marks=pytest.mark.xfail(strict=True, reason=f"finding: {reason}"))
+def definitions(t: Pg2IcebergTranslator, tmp_path: Path) -> Definitions:
+    """The code location ``definitions.build_definitions`` makes of ``t``'s config, checked loadable as
+    Dagster loads it (no server, no instance, no database: nothing is run)."""
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(t.config.model_dump(mode="json", exclude_none=True)))
+    pg2iceberg = Pg2IcebergResource(config_path=str(path))
+    specs, assets = table_definitions(t, pg2iceberg)
+    defs = Definitions(
+        assets=[*specs, *assets],
+        sensors=[flusher_sensor(t), snapshot_planner_sensor(t), merge_automation_sensor(t)],
+        resources={"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)},
+    )
+    Definitions.validate_loadable(defs)
+    return defs
 
 
-@pytest.mark.parametrize(
-    "tables",
-    [
-        pytest.param(["public.orders", 'public."Orders"', "sales.orders", "public.order"], id="case-and-schema"),
-        pytest.param(['"a b".c', "a.b_c"], id="schema-vs-table"),
-        collides(['public."a b"', "public.a_b"], "space-vs-underscore", "both sanitise to a_b"),
-        collides(["public.a$b", "public.a_b"], "dollar-vs-underscore", "'$' (valid unquoted) sanitises to '_'"),
-        collides(['"x.y".t', "x_y.t"], "dot-vs-underscore", "a dot in a schema sanitises to '_'"),
-        collides(
-            ["public.orders", "public.orders_snapshot"],
-            "snapshot-suffix",
-            "the snapshot key of orders is the live key of orders_snapshot",
-        ),
-        collides(["a__b.c", "a.b__c"], "double-underscore", "partitions names join parts with '__'"),
-    ],
-)
-def test_names_are_unique_across_tables(tables: list[str]) -> None:
-    found = names(translator(tables))
+# Tables whose plainly sanitised names collide: each such config made Dagster refuse the code location.
+COLLIDING = {
+    "space-vs-underscore": ['public."a b"', "public.a_b"],
+    "dollar-vs-underscore": ["public.a$b", "public.a_b"],  # '$' is valid in an unquoted name
+    "dot-vs-underscore": ['"x.y".t', "x_y.t"],
+    "snapshot-suffix": ["public.orders", "public.orders_snapshot"],  # orders' snapshot key is the other's live key
+    "double-underscore": ["a__b.c", "a.b__c"],  # partitions and op names join parts with '__'
+    "three-ways": ['public."a b"', "public.a$b", "public.a_b"],
+}
+# Tables whose names stay distinct once sanitised: they keep the plain names.
+DISTINCT = {
+    "case-and-schema": ["public.orders", 'public."Orders"', "sales.orders", "public.order"],
+    "schema-vs-table": ['"a b".c', "a.b_c"],
+    "hostile-alone": ['"My Schema"."Order ""Items"""', "public.cost$", '"v1.2"."events.log"', "public.orders"],
+}
+
+
+@pytest.mark.parametrize("tables", [*COLLIDING.values(), *DISTINCT.values()], ids=[*COLLIDING, *DISTINCT])
+def test_names_are_unique_across_tables_and_the_definitions_load(tables: list[str], tmp_path: Path) -> None:
+    t = translator(tables)
+    found = names(t)
     assert len(found) == len(set(found)), sorted({name for name in found if found.count(name) > 1})
+    for table in t.config.tables:
+        for part in [p for key in keys(t, table) for p in key.path] + [t.partitions_name(table)]:
+            assert DAGSTER_NAME.match(part), part
+    defs = definitions(t, tmp_path)
+    assert {spec.key for spec in defs.resolve_all_asset_specs()} == {
+        key for table in t.config.tables for key in keys(t, table)
+    }
+
+
+@pytest.mark.parametrize("tables", COLLIDING.values(), ids=COLLIDING)
+def test_plain_names_collide_and_dagster_refuses_them(tables: list[str], tmp_path: Path) -> None:
+    """The cases above are real: sanitised one table at a time, their names meet and Dagster refuses
+    the code location."""
+    plain = Plain(translator(tables).config)
+    found = names(plain)
+    assert len(found) > len(set(found))
+    with pytest.raises(DagsterInvalidDefinitionError):
+        definitions(plain, tmp_path)
+
+
+@pytest.mark.parametrize("tables", DISTINCT.values(), ids=DISTINCT)
+def test_tables_that_do_not_collide_keep_their_plain_names(tables: list[str]) -> None:
+    t = translator(tables)
+    plain = Plain(t.config)
+    for table in t.config.tables:
+        assert keys(t, table) == keys(plain, table), table.key
+        assert t.partitions_name(table) == plain.partitions_name(table)
+
+
+def test_a_table_named_as_its_keys_read_keeps_them() -> None:
+    """Sanitising changed the names of public."a b" and public.a$b, not those of public.a_b: they give way."""
+    t = translator(['public."a b"', "public.a$b", "public.a_b", "public.orders"])
+    by_key = {table.key: table for table in t.config.tables}
+    assert t.source_key(by_key["public.a_b"]) == AssetKey(["pg", "public", "a_b_source"])
+    assert t.iceberg_key(by_key["public.a_b"]) == AssetKey(["iceberg", "public", "a_b"])
+    assert t.partitions_name(by_key["public.a_b"]) == "ctid_chunks__public__a_b"
+    for key in ("public.a b", "public.a$b"):
+        part = f"a_b_{suffix(key)}"
+        assert keys(t, by_key[key]) == [
+            AssetKey(["pg", "public", f"{part}_source"]),
+            AssetKey(["staged_log", "public", f"{part}_staged_log"]),
+            AssetKey(["iceberg", "public", f"{part}_snapshot"]),
+            AssetKey(["iceberg", "public", part]),
+        ]
+        assert t.partitions_name(by_key[key]) == f"ctid_chunks__public__{part}"
+        assert t.group_name(by_key[key]) == "public"
+        assert t.iceberg_table_name(by_key[key]) == f"pg2iceberg.public.{by_key[key].table_name}", "the real name"
+    assert keys(t, by_key["public.orders"])[3] == AssetKey(["iceberg", "public", "orders"])
+
+
+@pytest.mark.parametrize("case", ["snapshot-suffix", "double-underscore"])
+def test_clean_names_that_collide_all_carry_the_suffix(case: str) -> None:
+    t = translator(COLLIDING[case])
+    for table in t.config.tables:
+        assert t.iceberg_key(table).path[-1] == f"{safe(table.table_name)}_{suffix(table.key)}"
+        assert t.partitions_name(table).endswith(f"__{safe(table.table_name)}_{suffix(table.key)}")
+
+
+@pytest.mark.parametrize("tables", COLLIDING.values(), ids=COLLIDING)
+def test_names_do_not_depend_on_the_order_of_the_tables(tables: list[str]) -> None:
+    forward, backward = translator(tables), translator(tables[::-1])
+
+    def by_table(t: Pg2IcebergTranslator) -> dict[str, Any]:
+        return {table.key: (keys(t, table), t.partitions_name(table)) for table in t.config.tables}
+
+    assert by_table(forward) == by_table(backward)
+
+
+def test_the_iceberg_side_and_namespaces_carry_the_suffix_too() -> None:
+    t = translator(
+        [{"name": "public.a", "iceberg_name": "x-y"}, {"name": "public.b", "iceberg_name": "x_y"}],
+        iceberg={"namespace": "raw.{schema}"},
+    )
+    a, b = t.config.tables
+    assert t.iceberg_key(a) == AssetKey(["iceberg", "raw_public", f"x_y_{suffix('public.a')}"])
+    assert t.iceberg_key(b) == AssetKey(["iceberg", "raw_public", "x_y"])
+    assert t.source_key(a) == AssetKey(["pg", "public", f"a_{suffix('public.a')}_source"]), "one suffix per table"
+    assert t.source_key(b) == AssetKey(["pg", "public", "b_source"])
+
+
+def test_suffixes_that_meet_grow_longer() -> None:
+    """Two names whose sha1 share their first 6 hex digits (found by search) get 8."""
+    first, second = 'public."t x x x-x x-x x x x-x$x"', 'public."t x x x-x-x-x x-x x x x"'
+    t = translator([first, second])
+    one, two = t.config.tables
+    assert suffix(one.key) == suffix(two.key)
+    assert t.iceberg_key(one).path[-1] == f"{safe(one.table_name)}_{suffix(one.key, 8)}"
+    assert t.iceberg_key(two).path[-1] == f"{safe(two.table_name)}_{suffix(two.key, 8)}"
+    found = names(t)
+    assert len(found) == len(set(found))
+
+
+def test_two_tables_into_one_iceberg_table_are_refused() -> None:
+    """Not a naming collision to suffix away: both would MERGE into the same Iceberg table."""
+    t = translator([{"name": "public.a", "iceberg_name": "b"}, "public.b"])
+    with pytest.raises(ConfigError, match=r"public\.a, public\.b .* Iceberg table public\.b"):
+        t.source_key(t.config.tables[1])
+    shared = translator(["a.t", "b.t"], iceberg={"namespace": "lake"})
+    with pytest.raises(ConfigError, match=r"lake\.t"):
+        shared.iceberg_key(shared.config.tables[0])
