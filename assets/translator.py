@@ -78,19 +78,6 @@ def _clean(config: PipelineConfig, table: TableConfig) -> bool:
     return all(_safe(part) == part for part in (table.schema_name, table.table_name, name))
 
 
-def _check_iceberg_identifiers(config: PipelineConfig) -> None:
-    """Two tables mirrored into one Iceberg table is a config mistake, not a naming collision to suffix away."""
-    mirrors: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for table in config.tables:
-        mirrors[config.iceberg_identifier(table)].append(table.key)
-    for (namespace, name), keys in mirrors.items():
-        if len(keys) > 1:
-            raise ConfigError(
-                f"tables {', '.join(keys)} would all be mirrored into the Iceberg table {namespace}.{name}: "
-                "give them different iceberg_name values"
-            )
-
-
 def _suffix_lengths(config: PipelineConfig) -> dict[str, int]:
     """How many hex digits of sha1(schema.table) each table's names carry (0: none, the plain names).
 
@@ -135,7 +122,6 @@ class Pg2IcebergTranslator:
     @cached_property
     def _suffixes(self) -> dict[str, str]:
         """The suffix of each configured table's names, by table key ("" for the plain names)."""
-        _check_iceberg_identifiers(self.config)
         return {key: _suffix(key, length) for key, length in _suffix_lengths(self.config).items()}
 
     def _table_parts(self, table: TableConfig) -> _Parts:

@@ -276,6 +276,20 @@ class PipelineConfig(_Strict):
             raise ValueError(f"listed more than once: {', '.join(duplicates)}")
         return value
 
+    @model_validator(mode="after")
+    def _one_mirror_per_table(self) -> PipelineConfig:
+        # Two tables merged into one Iceberg table would overwrite each other's rows.
+        mirrors: dict[tuple[str, str], list[str]] = {}
+        for table in self.tables:
+            mirrors.setdefault(self.iceberg_identifier(table), []).append(table.key)
+        for (namespace, name), keys in mirrors.items():
+            if len(keys) > 1:
+                raise ValueError(
+                    f"tables {', '.join(keys)} would all be mirrored into the Iceberg table {namespace}.{name}: "
+                    "give them different iceberg_name values (or a namespace with {schema})"
+                )
+        return self
+
     @property
     def state_connection(self) -> PostgresConnection:
         """Where the coordination tables live: ``state`` or else the source database."""
