@@ -227,7 +227,6 @@ class SnapshotConfig(_Strict):
 
     chunk_pages: int = Field(2048, ge=1)
     parallelism: int = Field(3, ge=1, le=64)
-    fetch_rows: int = Field(50_000, ge=100)
     # The holder keeps the exported snapshot (and so the source's xmin) this long with no snapshot
     # process running: a crashed `snapshot` restarted within it resumes chunk by chunk.
     holder_idle_seconds: float = Field(900.0, gt=0)
