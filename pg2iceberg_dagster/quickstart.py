@@ -63,11 +63,11 @@ def config_for(root: Path, port: int) -> dict:
     }
 
 
-def write_default_config(root: Path, port: int = 54329) -> Path:
-    """Write the quickstart config into ``root`` unless one is there; returns its path."""
+def write_default_config(root: Path, port: int = 54329, replace: bool = False) -> Path:
+    """Write the quickstart config into ``root`` (unless one is there and not ``replace``); returns its path."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "pg2iceberg.yaml"
-    if not path.exists():
+    if replace or not path.exists():
         path.write_text(yaml.safe_dump(config_for(root, port), sort_keys=False))
     return path
 
@@ -128,7 +128,9 @@ def start_embedded(root: Path, port: int, rows: int) -> tuple[EmbeddedPostgres, 
     postgres.start()
     postgres.create_database("app")
     postgres.create_database("iceberg_catalog")
-    config_path = write_default_config(root, port)
+    # The config of the PostgreSQL just started: one left by an earlier run (another --port, or the
+    # graph `dagster dev` shows before any quickstart) would point elsewhere.
+    config_path = write_default_config(root, port, replace=True)
     seed(postgres.conninfo("app"), rows)
     return postgres, config_path
 

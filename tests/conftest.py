@@ -26,6 +26,9 @@ from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
 from pg2iceberg_dagster.source.catalog import SourceTable
 
 CATALOG_DB = "iceberg_catalog"
+# `definitions.py` builds its module-level graph from $PG2ICEBERG_CONFIG, else it writes the
+# quickstart's config into the repository: tests that import it use the example config instead.
+os.environ.setdefault("PG2ICEBERG_CONFIG", str(Path(__file__).resolve().parent.parent / "examples" / "pg2iceberg.yaml"))
 
 
 class Crash(Exception):
