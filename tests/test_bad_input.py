@@ -61,8 +61,14 @@ def _cli(capsys: pytest.CaptureFixture[str], config_path: str, *command: str) ->
             "public.negative",
             r"public\.negative: column n: numeric\(6,-2\) does not fit Iceberg decimal",
         ),
+        (
+            'CREATE TABLE public.gen (id int PRIMARY KEY, p int, "Total" int GENERATED ALWAYS AS (p * 2) STORED)',
+            "public.gen",
+            r"public\.gen: column\(s\) Total are GENERATED .* does not send generated columns.*"
+            r'ALTER TABLE public\.gen ALTER COLUMN "Total" DROP EXPRESSION',
+        ),
     ],
-    ids=["unknown_table", "no_primary_key", "numeric_50_2", "negative_scale"],
+    ids=["unknown_table", "no_primary_key", "numeric_50_2", "negative_scale", "generated_column"],
 )
 def test_bad_tables_are_refused_before_anything_is_written(
     source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str], ddl: str, table: str, message: str

@@ -118,6 +118,23 @@ def server_version(conn: psycopg.Connection) -> int:
     return int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
 
 
+def _refuse_generated_columns(conn: psycopg.Connection, table: TableConfig, generated: list[str]) -> None:
+    """pgoutput sends no generated column (before PostgreSQL 18, and there only for a publication
+    with ``publish_generated_columns``): the mirror would keep each such value as the snapshot read it."""
+    if not generated:
+        return
+    names = ", ".join(generated)
+    drop = "; ".join(
+        f"ALTER TABLE {table.name} ALTER COLUMN {sql.Identifier(name).as_string(conn)} DROP EXPRESSION"
+        for name in generated
+    )
+    raise StartupCheckError(
+        f"{table.key}: column(s) {names} are GENERATED ... STORED, and logical replication does not send "
+        f"generated columns, so the mirror would keep their snapshot values forever. Make them plain columns "
+        f"({drop}; the application then sets them), or remove {table.key} from the config"
+    )
+
+
 def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
     """Columns, key and identity of a configured table; refuses missing tables and tables without a key."""
     row = conn.execute(
@@ -133,15 +150,17 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     oid, relkind, replident = row
     if relkind != "r":
         raise StartupCheckError(f"{table.key} is not an ordinary table (relkind {relkind!r}); list its partitions")
+    attributes = conn.execute(
+        """
+        SELECT attname, atttypid, atttypmod, attnotnull, attgenerated <> '' FROM pg_attribute
+        WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
+        """,
+        (oid,),
+    ).fetchall()
+    _refuse_generated_columns(conn, table, [name for name, *_, generated in attributes if generated])
     columns = tuple(
         SourceColumn(name=name, type=resolver.resolve(type_oid, type_mod), not_null=not_null)
-        for name, type_oid, type_mod, not_null in conn.execute(
-            """
-            SELECT attname, atttypid, atttypmod, attnotnull FROM pg_attribute
-            WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
-            """,
-            (oid,),
-        )
+        for name, type_oid, type_mod, not_null, _ in attributes
     )
     declared_key = tuple(
         name
