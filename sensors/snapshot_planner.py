@@ -24,11 +24,10 @@ from resources import Pg2IcebergResource
 
 
 def _read_again(
-    context: SensorEvaluationContext, translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan
+    translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan, materialized: set[str]
 ) -> RunRequest | None:
-    """One ranged run for the chunks Dagster shows materialized that the table must read again."""
+    """One ranged run for the chunks Dagster shows ``materialized`` that the table must read again."""
     key = translator.snapshot_key(table)
-    materialized = context.instance.get_materialized_partitions(key)
     redo = [chunk for chunk in plan.chunks if not chunk.done and chunk.partition_key in materialized]
     if not redo:
         return None
@@ -47,12 +46,17 @@ def _live_table_complete(
     translator: Pg2IcebergTranslator,
     table: TableConfig,
     plan: SnapshotPlan,
+    materialized: set[str],
     pipeline: Pipeline,
 ) -> AssetMaterialization | None:
     """The live table's first materialization, once its snapshot is complete: its data is there even
-    when no change has come since (then no merge ever runs to say so)."""
+    when no change has come since (then no merge ever runs to say so). Not before Dagster shows every
+    chunk partition ``materialized`` (a snapshot completed by the CLI is), or the live table would
+    read as older than its snapshot ("Unsynced")."""
     live = translator.iceberg_key(table)
-    if not plan.complete or context.instance.get_latest_materialization_event(live) is not None:
+    if not plan.complete or any(chunk.partition_key not in materialized for chunk in plan.chunks):
+        return None
+    if context.instance.get_latest_materialization_event(live) is not None:
         return None
     summary = pipeline.iceberg_summary(table.key)
     lag = pipeline.lag(table.key)
@@ -91,9 +95,10 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
                 new = [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known]
                 if new:
                     requests.append(partitions.build_add_request(new))
-                if run := _read_again(context, translator, table, plan):
+                materialized = context.instance.get_materialized_partitions(translator.snapshot_key(table))
+                if run := _read_again(translator, table, plan, materialized):
                     runs.append(run)
-                if event := _live_table_complete(context, translator, table, plan, pipeline):
+                if event := _live_table_complete(context, translator, table, plan, materialized, pipeline):
                     events.append(event)
         if not requests and not runs and not events:
             return SkipReason("every table's chunk partitions are registered")

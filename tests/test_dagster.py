@@ -173,3 +173,30 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
     pipeline.stream(until_caught_up=True)
     pipeline.materialize()
     assert_mirrored(pipeline)
+
+
+def test_live_table_reported_after_its_chunks_show_materialized(source: SourceDb, tmp_path: Path) -> None:
+    """A table snapshotted by the CLI before Dagster ran: its live table is reported materialized only
+    once Dagster shows every chunk partition materialized, so it never reads as older than its
+    snapshot ("Unsynced")."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.items SELECT g, 'v' || g FROM generate_series(1, 2000) g")
+    config_path = _write_config(source, tmp_path, ["public.items"])
+    source.pipeline(source.config(["public.items"], snapshot={"chunk_pages": 8, "parallelism": 2})).snapshot()
+    defs = build_definitions(config_path)
+    ns = f"{source.name}_public"
+    snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "items_snapshot"]))
+    with instance_for_test() as instance:
+        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        assert isinstance(planned, SensorResult) and not planned.asset_events, "chunks not materialized yet"
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        assert len(keys) > 1
+        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+        ran = materialize([snapshot], instance=instance, tags=tags)
+        assert ran.success  # every chunk already done: skipped
+        ticked = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        assert isinstance(ticked, SensorResult)
+        assert [event.asset_key for event in ticked.asset_events] == [AssetKey(["iceberg", ns, "items"])]
+        assert ticked.asset_events[0].metadata["dagster/row_count"].value == 2000
