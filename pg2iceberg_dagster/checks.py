@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pyarrow.compute as pc
 from pyiceberg.table import Table
 
-from .iceberg.catalog import schema_follows_source
+from .iceberg.evolution import schema_follows_source
 from .source.catalog import SourceTable
 from .verify import TableDiff
 
@@ -52,7 +52,7 @@ def schema_mismatches(source: SourceTable, table: Table) -> list[str]:
 
     Extra Iceberg columns are expected (columns dropped at the source are kept) and not reported.
     """
-    problems = schema_follows_source(table.schema(), source.columns)
+    problems = schema_follows_source(table, source.columns)
     schema = table.schema()
     key = {schema.find_field(field_id).name for field_id in schema.identifier_field_ids}
     if key != set(source.primary_key):

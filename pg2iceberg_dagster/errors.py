@@ -27,12 +27,6 @@ class UnsupportedTypeError(Pg2IcebergError):
     exit_code = 3
 
 
-class SchemaChangeError(Pg2IcebergError):
-    """A source schema change that the WAL does not carry, so merging past it would diverge."""
-
-    exit_code = 3
-
-
 class StagingError(Pg2IcebergError):
     """Staged data cannot be written or read: the object store (unreachable, full, denied) or the local
     spill directory of a large transaction (full)."""

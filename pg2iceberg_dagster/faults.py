@@ -21,6 +21,7 @@ CRASH_POINTS: dict[str, str] = {
     "flusher.during_spill": "a large transaction is being spilled to disk",
     "flusher.after_upload": "staged files are uploaded but not registered",
     "flusher.after_register": "staged files are registered but the slot was not acknowledged",
+    "materializer.after_fill": "a column's DEFAULT is set on existing rows but the fill is not marked done",
     "materializer.after_commit": "the MERGE is committed to Iceberg but mat_cursor is not advanced",
 }
 

@@ -328,7 +328,7 @@ class Workload:
     def _schema_change(self, table: TableModel) -> str:
         roll = self.rng.random()
         widenable = [c for c in table.columns if c.type in WIDENINGS]
-        if roll < 0.4 or (roll < 0.7 and not widenable) or len(table.columns) < 3:
+        if roll < 0.2 or len(table.columns) < 3:
             self._added += 1
             column = Column(f"added_{self._added}", self.rng.choice(ADDABLE), self.rng.choice([0.0, 0.3, 0.9]))
             self.conn.execute(
@@ -338,7 +338,30 @@ class Workload:
             )
             table.columns.append(column)
             return "add_column"
-        if roll < 0.7:
+        if roll < 0.4:
+            # A constant default: rows older than the ALTER read it without any WAL change.
+            self._added += 1
+            column = Column(f"added_{self._added}", self.rng.choice(ADDABLE), self.rng.choice([0.0, 0.3]))
+            default = GENERATORS[column.type](self.rng)
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN {} {} DEFAULT {}").format(
+                    table.ident, sql.Identifier(column.name), sql.SQL(column.type), sql.Literal(default)
+                )
+            )
+            table.columns.append(column)
+            return "add_column_default"
+        if roll < 0.55:
+            self._added += 1
+            column = self.rng.choice([*table.columns, *table.key])
+            renamed = f"{column.name.split('__')[0]}__r{self._added}"
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {} RENAME COLUMN {} TO {}").format(
+                    table.ident, sql.Identifier(column.name), sql.Identifier(renamed)
+                )
+            )
+            column.name = renamed
+            return "rename_column"
+        if roll < 0.75 and widenable:
             column = self.rng.choice(widenable)
             column.type = WIDENINGS[column.type]
             self.conn.execute(

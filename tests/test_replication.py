@@ -8,8 +8,6 @@ from typing import Any
 import psycopg
 import pytest
 
-from pg2iceberg_dagster.errors import SchemaChangeError
-
 from .conftest import SourceDb, assert_mirrored, sync
 
 pytestmark = pytest.mark.usefixtures("spark")
@@ -191,23 +189,6 @@ def test_verify_counts_a_column_no_change_has_carried_yet_as_null(source: Source
     sync(pipeline)
     assert "extra" in pipeline.catalog.load_table(f"{source.name}_public.late").schema().column_names
     assert_mirrored(pipeline)
-
-
-def test_column_added_with_a_default_stops_the_merge_with_a_clear_error(source: SourceDb) -> None:
-    """Rows older than ``ADD COLUMN ... DEFAULT`` hold the default without a WAL change: the merge
-    must refuse (and write nothing) rather than leave them NULL in Iceberg."""
-    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
-    source.execute("INSERT INTO public.items SELECT g, 'v' FROM generate_series(1, 10) g")
-    pipeline = source.pipeline(source.config(["public.items"]))
-    pipeline.snapshot()
-    source.execute("ALTER TABLE public.items ADD COLUMN flag int DEFAULT 7")
-    source.execute("INSERT INTO public.items VALUES (11, 'after', 1)")
-    pipeline.stream(until_caught_up=True)
-    with pytest.raises(SchemaChangeError, match=r"public\.items: column\(s\) flag were added with a default"):
-        pipeline.materialize()
-    table = pipeline.catalog.load_table(f"{source.name}_public.items")
-    assert "flag" not in table.schema().column_names
-    assert pipeline.store.mat_cursor("default", "public.items") == 0
 
 
 def test_dates_and_timestamps_before_1582_merge_exactly(source: SourceDb) -> None:

@@ -56,12 +56,16 @@ class RelationInfo:
     table: SourceTable
     relation: StagedRelation
     positions: dict[str, int]
+    # The primary key's names in this relation (a RENAME since startup changes them); default: as configured.
+    key: tuple[str, ...] = ()
     # Per column, precomputed once: the JSON key ('"name"') and the CSV form for ``_unchanged_cols``.
     json_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
     csv_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     plain_columns: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.table.primary_key)
         columns = self.relation.columns
         object.__setattr__(self, "json_keys", tuple(json.dumps(column.name) for column in columns))
         object.__setattr__(self, "csv_names", tuple(join_names([column.name]) for column in columns))
@@ -305,7 +309,7 @@ class _Decoder:
                     op = pc.if_else(pc.equal(pc.take(tag, rows), _INSERT), INSERT, UPDATE)
                 else:
                     # A deleted row is staged by its key (REPLICA IDENTITY DEFAULT sends nothing else).
-                    selected = [self.info.positions[k] for k in self.info.table.primary_key]
+                    selected = [self.info.positions[k] for k in self.info.key]
                     if any(pc.any(pc.equal(walked[i][0], _TOAST)).as_py() for i in selected):
                         leftover = pc.or_(leftover, mask)
                         continue
@@ -352,7 +356,7 @@ def row_changes(
     """(order within the message, op, data, unchanged names) of the staged rows of one decoded row message:
     the row-by-row reference the bulk path must equal."""
     names = [column.name for column in info.relation.columns]
-    key = info.table.primary_key
+    key = info.key
 
     def row(values: pgoutput.Tuple) -> tuple[dict[str, Any], tuple[str, ...]]:
         data = {n: v for n, v in zip(names, values, strict=True) if v is not pgoutput.UNCHANGED}

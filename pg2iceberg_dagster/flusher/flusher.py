@@ -19,7 +19,7 @@ from ..coordination.protocol import StagedLogStore
 from ..coordination.store import StagedFile
 from ..faults import crash_point
 from ..source import pgoutput
-from ..source.catalog import SourceColumn, SourceTable, TypeResolver
+from ..source.catalog import SourceColumn, SourceTable, TypeResolver, identify_columns, table_attributes
 from ..source.connection import connect
 from ..source.lsn import current_wal_lsn
 from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
@@ -274,16 +274,26 @@ class Flusher:
         table = self.tables.get(relation.key)
         if table is None:
             return None  # published but not configured: ignored
+        # The message names the columns; the catalog gives each its identity (attnum, which a RENAME
+        # keeps) and the value older rows read for a column added with a DEFAULT.
+        identities = identify_columns(
+            table_attributes(self._catalog_conn, relation.oid), [(c.name, c.type_oid) for c in relation.columns]
+        )
+        names = {a.attnum: column.name for a, column in zip(identities, relation.columns, strict=True) if a is not None}
+        key = tuple(names.get(table.column(name).attnum or 0, name) for name in table.primary_key)
         columns = tuple(
             SourceColumn(
                 name=column.name,
                 type=self._resolver.resolve(column.type_oid, column.type_mod),
-                not_null=column.name in table.primary_key,
+                not_null=column.name in key,
+                attnum=identity.attnum if identity is not None else None,
+                missing=identity.missing if identity is not None else None,
             )
-            for column in relation.columns
+            for column, identity in zip(relation.columns, identities, strict=True)
         )
         return RelationInfo(
             table=table,
             relation=StagedRelation(table=table.key, columns=columns),
             positions={column.name: index for index, column in enumerate(relation.columns)},
+            key=key,
         )

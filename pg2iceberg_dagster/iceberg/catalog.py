@@ -1,24 +1,22 @@
-"""The Iceberg catalog through pyiceberg: loading it, creating mirror tables, evolving their schema."""
+"""The Iceberg catalog through pyiceberg: loading it, naming and creating mirror tables, committing."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchTableError
-from pyiceberg.schema import Schema
 from pyiceberg.table import Table
-from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from ..config import PipelineConfig, secret_from_env
-from ..errors import UnsupportedTypeError
-from ..source.catalog import SourceColumn, SourceTable
-from .types import field_ids, iceberg_schema, iceberg_type
+from ..source.catalog import SourceTable
+from .evolution import attnum_properties
+from .types import iceberg_schema
 
 T = TypeVar("T")
 
@@ -126,107 +124,8 @@ def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) 
     with contextlib.suppress(NamespaceAlreadyExistsError, IntegrityError):
         catalog.create_namespace(namespace)
     schema = iceberg_schema(source.columns, source.primary_key)
-    return catalog.create_table_if_not_exists(identifier, schema, properties=config.iceberg.table_properties)
-
-
-_WIDENINGS: dict[type[IcebergType], tuple[type[IcebergType], ...]] = {
-    IntegerType: (LongType,),
-    FloatType: (DoubleType,),
-}
-
-
-def _is_widening(current: IcebergType, wanted: IcebergType) -> bool:
-    if current == wanted:
-        return False
-    if isinstance(current, DecimalType) and isinstance(wanted, DecimalType):
-        return wanted.scale == current.scale and wanted.precision > current.precision
-    return isinstance(wanted, _WIDENINGS.get(type(current), ()))
-
-
-def _same_shape(current: IcebergType, wanted: IcebergType) -> bool:
-    # Lists compare with element ids; the element type is what matters.
-    current_element = getattr(current, "element_type", None)
-    wanted_element = getattr(wanted, "element_type", None)
-    return current_element is not None and current_element == wanted_element
-
-
-ColumnFit = Literal["same", "widen", "holds", "incompatible"]
-
-
-def column_fit(current: IcebergType, wanted: IcebergType) -> ColumnFit:
-    """How an Iceberg column of type ``current`` takes a source column that maps to ``wanted``: the
-    one type-compatibility rule of schema evolution and of the schema check.
-
-    ``same``; ``widen`` (a safe widening to apply first); ``holds`` (narrowed at the source: the
-    wider Iceberg type holds every value); ``incompatible`` (any other change of type).
-    """
-    if current == wanted or _same_shape(current, wanted):
-        return "same"
-    if _is_widening(current, wanted):
-        return "widen"
-    if _is_widening(wanted, current):
-        return "holds"
-    return "incompatible"
-
-
-def _iceberg_field(schema: Schema, name: str) -> NestedField | None:
-    return schema.find_field(name, case_sensitive=True) if name in schema.column_names else None
-
-
-def schema_follows_source(schema: Schema, columns: Sequence[SourceColumn]) -> list[str]:
-    """What keeps ``schema`` from taking the source ``columns`` as they are (empty when nothing):
-    a missing column, a widening not applied yet, an incompatible type."""
-    element_ids = field_ids(10_000)  # only the types are compared
-    problems = []
-    for column in columns:
-        wanted = iceberg_type(column.type, column.name, element_ids)
-        field = _iceberg_field(schema, column.name)
-        if field is None:
-            problems.append(f"{column.name}: missing in Iceberg (source type {column.type.name})")
-        elif column_fit(field.field_type, wanted) == "widen":
-            problems.append(f"{column.name}: Iceberg {field.field_type} is narrower than the source's {wanted}")
-        elif column_fit(field.field_type, wanted) == "incompatible":
-            problems.append(f"{column.name}: Iceberg {field.field_type}, source maps to {wanted}")
-    return problems
-
-
-def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
-    """Bring the Iceberg schema up to the source columns: add new ones, apply safe widenings.
-
-    Columns dropped at the source stay in Iceberg (they keep their history and read null from then
-    on). A column narrowed at the source keeps its wider Iceberg type; any other change of type is
-    refused (see :func:`column_fit`). Returns a description of each change.
-    """
-    schema = table.schema()
-    changes: list[str] = []
-    additions: list[tuple[str, IcebergType]] = []
-    widenings: list[tuple[str, IcebergType]] = []
-    # Only the types are compared here; pyiceberg assigns the real ids when it adds a column.
-    element_ids = field_ids(10_000)
-
-    for column in columns:
-        wanted = iceberg_type(column.type, column.name, element_ids)
-        field = _iceberg_field(schema, column.name)
-        fit = None if field is None else column_fit(field.field_type, wanted)
-        if field is None:
-            additions.append((column.name, wanted))
-            changes.append(f"add column {column.name} {wanted}")
-        elif fit == "widen":
-            widenings.append((column.name, wanted))
-            changes.append(f"widen {column.name} {field.field_type} -> {wanted}")
-        elif fit == "incompatible":
-            raise UnsupportedTypeError(
-                f"{table.name()}: column {column.name} changed from {field.field_type} to {wanted} at the source; "
-                "only widening changes (int->bigint, real->double, numeric precision up, varchar->text) are replicated"
-            )
-    if not changes:
-        return []
-    with table.update_schema() as update:
-        for name, wanted in additions:
-            update.add_column(name, wanted)
-        for name, wanted in widenings:
-            update.update_column(name, field_type=wanted)
-    return changes
+    properties = {**config.iceberg.table_properties, **attnum_properties(schema, source.columns)}
+    return catalog.create_table_if_not_exists(identifier, schema, properties=properties)
 
 
 def commit_with_retry(operation: Callable[[], T], attempts: int = 8) -> T:

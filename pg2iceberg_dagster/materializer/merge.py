@@ -23,24 +23,23 @@ import pyarrow.parquet as pq
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
-from ..config import PipelineConfig, TableConfig
+from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.store import Lag, LogEntry, SnapshotEpoch
-from ..errors import SchemaChangeError
 from ..faults import crash_point
-from ..iceberg.catalog import evolve_schema, table_identifier
+from ..iceberg.catalog import table_identifier
+from ..iceberg.evolution import clear_pending_fills, evolve_schema, pending_fills
 from ..iceberg.types import arrow_schema
-from ..source.catalog import columns_added_with_default
-from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.xid_snapshot import XidSnapshot
-from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
+from ..staging.codec import DELETE, changes_of, read_staged
 from ..staging.store import ObjectStore
+from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .fold import fold
-from .spark_sql import merge_statement, spark_identifier
+from .spark_sql import fill_statement, merge_statement, spark_identifier
 from .toast_fill import fill_moved_keys
-from .vectorized import can_fold_vectorized, fold_vectorized
+from .vectorized import can_fold_vectorized, fold_vectorized, typed_column
 
 
 @dataclass
@@ -144,10 +143,12 @@ class Materializer:
         if state is None or not state.snapshot_complete:
             result.waiting_for_snapshot = True
             return result
-        if result.lag.changes <= 0:
+        identifier = table_identifier(self.config, table_key)
+        if result.lag.changes <= 0 and not pending_fills(self.catalog.load_table(identifier)):
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
             self._start_spark(table_key, result.timings)
+            self._fill_pending(table_key, result.timings)
             for _ in range(rounds):
                 head = self.store.log_head(table_key)
                 while max_batches is None or result.batches < max_batches:
@@ -194,11 +195,9 @@ class Materializer:
         table is one read under that snapshot, so replaying exactly the others reaches the source's state.
         """
         timings = {} if timings is None else timings
-        table_config = self.config.table(table_key)
         identifier = table_identifier(self.config, table_key)
         with timed_phase(timings, "read"):
             table = self.catalog.load_table(identifier)
-            key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
             staged = []
             visible = XidSnapshot.parse(replay_epoch.snapshot) if replay_epoch is not None else None
             for entry in entries:
@@ -210,18 +209,12 @@ class Materializer:
                     changes = changes.filter(pc.invert(visible.visible(changes.column("_xid"))))
                 staged.append((relation, changes))
         with timed_phase(timings, "fold"):
-            relations: list[StagedRelation] = []
-            for relation, _ in staged:
-                if relation not in relations:
-                    relations.append(relation)
-            added = {c.name for relation in relations for c in relation.columns} - set(table.schema().column_names)
-            if added:
-                self._refuse_defaulted_columns(table_config, added)
-            schema_changes = []
-            for relation in relations:
-                schema_changes.extend(evolve_schema(table, relation.columns))
+            # The last relation describes the table as it is now; older ones are mapped onto it.
+            schema_changes = evolve_schema(table, staged[-1][0].columns) if staged else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
+            key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
+            staged = align_batches(staged, table)
             if can_fold_vectorized(staged):
                 iceberg_arrow = arrow_schema(table.schema())
                 spark_schema = spark_arrow_schema(iceberg_arrow)
@@ -250,6 +243,7 @@ class Materializer:
     ) -> None:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
+        self._fill_pending(table_key, timings)
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
         with timed_phase(timings, "spark_merge"):
@@ -273,31 +267,51 @@ class Materializer:
         result.last_lsn = last.flushable_lsn
         result.snapshot_id = snapshot.snapshot_id if snapshot else None
 
-    def _merge_rows(self, spark: Any, table_key: str, target: str, prepared: PreparedBatch) -> None:
-        """MERGE the prepared rows into ``target`` (staged as a Parquet file Spark reads back)."""
+    @contextlib.contextmanager
+    def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> Iterator[str]:
+        """``rows`` as a Spark temporary view (staged as a Parquet file Spark reads back: executors
+        need not reach the driver's memory)."""
         batch_key = f"_batches/{table_key}/{uuid.uuid4().hex}.parquet"
-        self.object_store.put(batch_key, _parquet_bytes(prepared.rows))
+        self.object_store.put(batch_key, _parquet_bytes(rows))
         try:
             view = f"pg2iceberg_batch_{threading.get_ident()}"
             spark.read.parquet(self.object_store.uri(batch_key)).createOrReplaceTempView(view)
-            columns = [f.name for f in prepared.table.schema().fields]
-            spark.sql(merge_statement(target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged))
+            yield view
             spark.catalog.dropTempView(view)
         finally:
             self.object_store.delete(batch_key)
 
-    def _refuse_defaulted_columns(self, table_config: TableConfig, added: set[str]) -> None:
-        """Stop before a column added with a default reaches Iceberg: older rows hold the default in
-        PostgreSQL without any WAL change, so merging on would leave them NULL in the mirror."""
-        with connect(self.config.source) as conn:
-            defaulted = columns_added_with_default(conn, table_config.schema_name, table_config.table_name, added)
-        if defaulted:
-            raise SchemaChangeError(
-                f"{table_config.key}: column(s) {', '.join(defaulted)} were added with a default; rows that "
-                "existed before the ALTER hold it without a WAL change, so the mirror cannot follow. Snapshot "
-                f"the table again: pg2iceberg-dagster cleanup --table {table_config.key}, then snapshot. "
-                "(Add the column without a default, then UPDATE, to keep replicating through such a change.)"
-            )
+    def _merge_rows(self, spark: Any, table_key: str, target: str, prepared: PreparedBatch) -> None:
+        """MERGE the prepared rows into ``target``."""
+        with self._spark_view(spark, table_key, prepared.rows) as view:
+            columns = [f.name for f in prepared.table.schema().fields]
+            spark.sql(merge_statement(target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged))
+
+    def _fill_pending(self, table_key: str, timings: dict[str, float]) -> None:
+        """Give every existing row the value of each column added with a DEFAULT since the last merge
+        (PostgreSQL shows it on rows older than the ALTER, with no WAL change), then forget the fill.
+        Runs before anything newer is merged, so every row it touches is older than the ALTER."""
+        identifier = table_identifier(self.config, table_key)
+        table = self.catalog.load_table(identifier)
+        fills = pending_fills(table)
+        if not fills:
+            return
+        with timed_phase(timings, "spark_merge"):
+            iceberg_arrow = arrow_schema(table.schema())
+            spark_schema = spark_arrow_schema(iceberg_arrow)
+            names = [table.schema().find_column_name(fill.field_id) for fill in fills]
+            arrays = []
+            for fill, name in zip(fills, names, strict=True):
+                target_type = spark_schema.field(name).type
+                convert = spark_value if target_type != iceberg_arrow.field(name).type else None
+                texts = pa.array([fill.value], pa.string())
+                arrays.append(typed_column(texts, fill.column, target_type, name, convert))
+            row = pa.Table.from_arrays(arrays, names=names)
+            target = spark_identifier(self.config.iceberg.catalog.name, *identifier)
+            with self._spark_view(self.spark, table_key, row) as view:
+                self.spark.sql(fill_statement(target, view, names))
+            crash_point("materializer.after_fill")
+            clear_pending_fills(self.catalog.load_table(identifier), [fill.field_id for fill in fills])
 
     def run_once(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
         """Bring every (or the given) table up to its current head."""

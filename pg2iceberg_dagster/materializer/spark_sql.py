@@ -43,3 +43,9 @@ def merge_statement(
         f"{update}"
         f"WHEN NOT MATCHED AND s.{OP_COLUMN} = 'U' THEN INSERT ({column_list}) VALUES ({values})"
     )
+
+
+def fill_statement(target: str, source_view: str, columns: list[str]) -> str:
+    """Set ``columns`` of every row of ``target`` to the values in the one row of ``source_view``."""
+    assignments = ", ".join(f"t.{spark_identifier(c)} = s.{spark_identifier(c)}" for c in columns)
+    return f"MERGE INTO {target} t USING {source_view} s ON true WHEN MATCHED THEN UPDATE SET {assignments}"

@@ -15,6 +15,7 @@ from pyiceberg.table import Table
 
 from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
+from ..iceberg.evolution import without_pending_fills
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceTable
 from .reader import ArrowReader, conform, select_expressions
@@ -123,12 +124,15 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
 
 
 def empty_for_epoch(table: Table, epoch: int) -> None:
-    """Delete every row of ``table`` before its snapshot starts again in ``epoch``."""
+    """Delete every row of ``table`` before its snapshot starts again in ``epoch``. Defaults of added
+    columns pending for the deleted rows go with them: every row is read again with its columns."""
 
     def commit() -> None:
         table.refresh()
         if table.current_snapshot() is not None:
-            table.delete(AlwaysTrue(), snapshot_properties={RESTART_EPOCH: str(epoch)})
+            with table.transaction() as transaction:
+                transaction.delete(AlwaysTrue(), snapshot_properties={RESTART_EPOCH: str(epoch)})
+                transaction.set_properties(without_pending_fills(table))
 
     commit_with_retry(commit)
 

@@ -25,7 +25,8 @@ from ..config import PipelineConfig
 from ..coordination.store import AdvertisedSnapshot, Chunk, CoordinationStore
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
-from ..iceberg.catalog import ensure_table, table_identifier
+from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
+from ..iceberg.evolution import evolve_schema
 from ..source.catalog import SourceTable, table_pages
 from ..source.connection import connect
 from ..validation import StartupReport
@@ -107,8 +108,11 @@ class SnapshotRunner:
         ]
 
     def plan(self, table: SourceTable) -> list[Chunk]:
-        """Create the Iceberg table and store the chunk plan once; returns the stored plan."""
-        ensure_table(self.catalog, self.config, table)
+        """Create the Iceberg table and store the chunk plan once; returns the stored plan.
+
+        A table created by an earlier process follows the columns as they are now: a column renamed
+        or added meanwhile is read under its new name by this process's chunks."""
+        commit_with_retry(lambda: evolve_schema(ensure_table(self.catalog, self.config, table), table.columns))
         with connect(self.config.source) as conn:
             pages = table_pages(conn, table.oid)
         planned = plan_chunks(table.key, pages, self.config.snapshot.chunk_pages, self.report.server_version)

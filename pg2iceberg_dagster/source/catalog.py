@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,16 +43,37 @@ class PgType:
 
 @dataclass(frozen=True)
 class SourceColumn:
+    """A column of a source table.
+
+    ``attnum`` is its identity (it survives a RENAME; None in files staged before it was recorded).
+    ``missing`` is the text form of the value rows older than the column read
+    (``pg_attribute.attmissingval``, set by ``ADD COLUMN ... DEFAULT <constant>``), else None.
+    """
+
     name: str
     type: PgType
     not_null: bool
+    attnum: int | None = None
+    missing: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type.to_json(), "not_null": self.not_null}
+        return {
+            "name": self.name,
+            "type": self.type.to_json(),
+            "not_null": self.not_null,
+            "attnum": self.attnum,
+            "missing": self.missing,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SourceColumn:
-        return cls(name=data["name"], type=PgType.from_json(data["type"]), not_null=data["not_null"])
+        return cls(
+            name=data["name"],
+            type=PgType.from_json(data["type"]),
+            not_null=data["not_null"],
+            attnum=data.get("attnum"),
+            missing=data.get("missing"),
+        )
 
 
 @dataclass(frozen=True)
@@ -113,6 +134,53 @@ class TypeResolver:
         return PgType(name=name, kind=kind, type_mod=type_mod, base_oid=oid, array_oid=array_oid)
 
 
+@dataclass(frozen=True)
+class Attribute:
+    """A live column of a table as ``pg_attribute`` holds it now."""
+
+    name: str
+    attnum: int
+    type_oid: int
+    type_mod: int
+    not_null: bool
+    generated: bool
+    missing: str | None
+
+
+def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
+    """The table's live columns in ``attnum`` order (the order pgoutput's Relation message lists them)."""
+    rows = conn.execute(
+        """
+        SELECT attname, attnum, atttypid, atttypmod, attnotnull, attgenerated <> '',
+               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END
+        FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
+        """,
+        (oid,),
+    ).fetchall()
+    return [Attribute(*row) for row in rows]
+
+
+def identify_columns(attributes: Sequence[Attribute], columns: Sequence[tuple[str, int]]) -> list[Attribute | None]:
+    """The catalog's column behind each ``(name, type oid)`` of a Relation message (None: unknown).
+
+    The message may be older than the catalog (the flusher reads WAL after the DDL ran): by name
+    when every name is still there in the message's order; else by position when the first live
+    columns have the message's types (a RENAME keeps positions, columns added since come last). A
+    RENAME together with a DROP COLUMN since the message leaves the renamed columns unknown.
+    """
+    by_name = {attribute.name: attribute for attribute in attributes}
+    named = [by_name.get(name) for name, _ in columns]
+    attnums = [attribute.attnum for attribute in named if attribute is not None]
+    if len(attnums) == len(columns) and attnums == sorted(attnums):
+        return named
+    first = list(attributes[: len(columns)])
+    if len(first) == len(columns) and all(
+        a.type_oid == type_oid for a, (_, type_oid) in zip(first, columns, strict=True)
+    ):
+        return list(first)
+    return named
+
+
 def server_version(conn: psycopg.Connection) -> int:
     """``server_version_num``, e.g. 150004."""
     return int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
@@ -150,17 +218,17 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     oid, relkind, replident = row
     if relkind != "r":
         raise StartupCheckError(f"{table.key} is not an ordinary table (relkind {relkind!r}); list its partitions")
-    attributes = conn.execute(
-        """
-        SELECT attname, atttypid, atttypmod, attnotnull, attgenerated <> '' FROM pg_attribute
-        WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
-        """,
-        (oid,),
-    ).fetchall()
-    _refuse_generated_columns(conn, table, [name for name, *_, generated in attributes if generated])
+    attributes = table_attributes(conn, oid)
+    _refuse_generated_columns(conn, table, [a.name for a in attributes if a.generated])
     columns = tuple(
-        SourceColumn(name=name, type=resolver.resolve(type_oid, type_mod), not_null=not_null)
-        for name, type_oid, type_mod, not_null, _ in attributes
+        SourceColumn(
+            name=a.name,
+            type=resolver.resolve(a.type_oid, a.type_mod),
+            not_null=a.not_null,
+            attnum=a.attnum,
+            missing=a.missing,
+        )
+        for a in attributes
     )
     declared_key = tuple(
         name
@@ -224,17 +292,3 @@ def modification_count(conn: psycopg.Connection, oid: int) -> int:
         "SELECT coalesce(n_tup_ins + n_tup_upd + n_tup_del, 0) FROM pg_stat_user_tables WHERE relid = %s", (oid,)
     ).fetchone()
     return int(row[0]) if row else 0
-
-
-def columns_added_with_default(
-    conn: psycopg.Connection, schema_name: str, table_name: str, names: Iterable[str]
-) -> list[str]:
-    """Of ``names``, the columns added with a non-NULL default that rows older than the ALTER still
-    take from the catalog (``atthasmissing``): PostgreSQL writes no WAL change for those rows."""
-    table = sql.Identifier(schema_name, table_name).as_string(conn)
-    rows = conn.execute(
-        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attname = ANY(%s) "
-        "AND atthasmissing AND NOT attisdropped ORDER BY attnum",
-        (table, list(names)),
-    )
-    return [name for (name,) in rows]

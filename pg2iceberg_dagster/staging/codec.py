@@ -73,7 +73,8 @@ def join_names(names: Sequence[str]) -> str:
     return out.getvalue()
 
 
-def _split_names(text: str) -> tuple[str, ...]:
+def split_names(text: str) -> tuple[str, ...]:
+    """The names :func:`join_names` joined."""
     return tuple(next(csv.reader([text])))
 
 
@@ -140,7 +141,7 @@ def changes_of(table: pa.Table) -> list[Change]:
             ts=ts,
             xid=xid,
             data=json.loads(payload),
-            unchanged=_split_names(unchanged) if unchanged else (),
+            unchanged=split_names(unchanged) if unchanged else (),
         )
         for op, lsn, ts, xid, unchanged, payload in zip(
             columns["_op"],

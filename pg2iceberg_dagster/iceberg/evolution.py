@@ -1,0 +1,248 @@
+"""Evolving a mirror table's schema with its source table, column by column identity.
+
+A source column is identified by its ``attnum``, which a RENAME keeps and a DROP + ADD of the same
+name does not. The Iceberg table records, per field id, the ``attnum`` it mirrors (a table property),
+so a renamed column is renamed in Iceberg (Iceberg renames by field id: old data files keep reading),
+and a column dropped and added again under its old name becomes a new field while the dropped one keeps
+its history under ``<name>__dropped_<attnum>``.
+
+A column added with a constant DEFAULT gives every row older than the ALTER that value, without a
+WAL change (``pg_attribute.attmissingval``). Such an addition is recorded as a *pending fill* in
+the same commit as the schema change; the materializer sets the value on every existing row
+before it merges anything newer, and then clears the record (so a crash in between fills again).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table
+from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
+
+from ..errors import UnsupportedTypeError
+from ..source.catalog import SourceColumn
+from .types import field_ids, iceberg_type
+
+COLUMN_ATTNUMS = "pg2iceberg.column-attnums"
+PENDING_FILLS = "pg2iceberg.pending-fills"
+
+
+_WIDENINGS: dict[type[IcebergType], tuple[type[IcebergType], ...]] = {
+    IntegerType: (LongType,),
+    FloatType: (DoubleType,),
+}
+
+
+def _is_widening(current: IcebergType, wanted: IcebergType) -> bool:
+    if current == wanted:
+        return False
+    if isinstance(current, DecimalType) and isinstance(wanted, DecimalType):
+        return wanted.scale == current.scale and wanted.precision > current.precision
+    return isinstance(wanted, _WIDENINGS.get(type(current), ()))
+
+
+def _same_shape(current: IcebergType, wanted: IcebergType) -> bool:
+    # Lists compare with element ids; the element type is what matters.
+    current_element = getattr(current, "element_type", None)
+    wanted_element = getattr(wanted, "element_type", None)
+    return current_element is not None and current_element == wanted_element
+
+
+ColumnFit = Literal["same", "widen", "holds", "incompatible"]
+
+
+def column_fit(current: IcebergType, wanted: IcebergType) -> ColumnFit:
+    """How an Iceberg column of type ``current`` takes a source column that maps to ``wanted``: the
+    one type-compatibility rule of schema evolution and of the schema check.
+
+    ``same``; ``widen`` (a safe widening to apply first); ``holds`` (narrowed at the source: the
+    wider Iceberg type holds every value); ``incompatible`` (any other change of type).
+    """
+    if current == wanted or _same_shape(current, wanted):
+        return "same"
+    if _is_widening(current, wanted):
+        return "widen"
+    if _is_widening(wanted, current):
+        return "holds"
+    return "incompatible"
+
+
+def _json_property(table: Table, name: str) -> dict[str, Any]:
+    text = table.properties.get(name)
+    return json.loads(text) if text else {}
+
+
+def column_attnums(table: Table) -> dict[int, int]:
+    """Field id -> the ``attnum`` of the source column it mirrors (fields recorded so far)."""
+    return {int(field_id): attnum for field_id, attnum in _json_property(table, COLUMN_ATTNUMS).items()}
+
+
+def attnum_properties(schema: Schema, columns: Sequence[SourceColumn]) -> dict[str, str]:
+    """The table property recording which field mirrors which source column (for a new table)."""
+    attnums = {
+        str(schema.find_field(column.name).field_id): column.attnum for column in columns if column.attnum is not None
+    }
+    return {COLUMN_ATTNUMS: json.dumps(attnums, sort_keys=True)}
+
+
+@dataclass(frozen=True)
+class PendingFill:
+    """Rows older than the column take ``value`` (PostgreSQL text form of ``column``'s type)."""
+
+    field_id: int
+    column: SourceColumn
+    value: str
+
+
+def pending_fills(table: Table) -> list[PendingFill]:
+    """Columns added with a DEFAULT whose value existing rows do not hold yet."""
+    return [
+        PendingFill(int(field_id), SourceColumn.from_json(entry["column"]), entry["value"])
+        for field_id, entry in sorted(_json_property(table, PENDING_FILLS).items())
+    ]
+
+
+def field_for(schema: Schema, attnums: dict[int, int], column: SourceColumn) -> NestedField | None:
+    """The Iceberg field mirroring ``column``: by ``attnum`` where recorded, else by name (unless the
+    name belongs to another source column)."""
+    if column.attnum is not None:
+        fields = {f.field_id: f for f in schema.fields}
+        for field_id, attnum in attnums.items():
+            if attnum == column.attnum and field_id in fields:
+                return fields[field_id]
+    if column.name not in schema.column_names:
+        return None
+    named = schema.find_field(column.name, case_sensitive=True)
+    owner = attnums.get(named.field_id)
+    if owner is not None and column.attnum is not None and owner != column.attnum:
+        return None
+    return named
+
+
+@dataclass
+class _Plan:
+    renames: dict[int, str] = field(default_factory=dict)  # field id -> new name
+    additions: list[tuple[SourceColumn, IcebergType]] = field(default_factory=list)
+    widenings: list[tuple[int, IcebergType]] = field(default_factory=list)
+    adopted: dict[int, int] = field(default_factory=dict)  # field id -> attnum, newly recorded
+    changes: list[str] = field(default_factory=list)
+
+
+def schema_follows_source(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
+    """What keeps ``table`` from taking the source ``columns`` as they are (empty when nothing): a
+    missing column, a rename not applied yet, a widening not applied yet, an incompatible type."""
+    schema = table.schema()
+    attnums = column_attnums(table)
+    element_ids = field_ids(10_000)  # only the types are compared
+    problems = []
+    for column in columns:
+        wanted = iceberg_type(column.type, column.name, element_ids)
+        current = field_for(schema, attnums, column)
+        if current is None:
+            problems.append(f"{column.name}: missing in Iceberg (source type {column.type.name})")
+        elif current.name != column.name:
+            problems.append(f"{column.name}: still named {current.name} in Iceberg")
+        elif column_fit(current.field_type, wanted) == "widen":
+            problems.append(f"{column.name}: Iceberg {current.field_type} is narrower than the source's {wanted}")
+        elif column_fit(current.field_type, wanted) == "incompatible":
+            problems.append(f"{column.name}: Iceberg {current.field_type}, source maps to {wanted}")
+    return problems
+
+
+def _plan(table: Table, columns: Sequence[SourceColumn]) -> _Plan:
+    schema = table.schema()
+    attnums = column_attnums(table)
+    live = {column.attnum for column in columns if column.attnum is not None}
+    plan = _Plan()
+    element_ids = field_ids(10_000)  # only the types are compared; pyiceberg assigns real ids
+    for column in columns:
+        wanted = iceberg_type(column.type, column.name, element_ids)
+        current = field_for(schema, attnums, column)
+        if current is None:
+            plan.additions.append((column, wanted))
+            default = f" (older rows: {column.missing})" if column.missing is not None else ""
+            plan.changes.append(f"add column {column.name} {wanted}{default}")
+            holder = schema.find_field(column.name) if column.name in schema.column_names else None
+            owner = attnums.get(holder.field_id) if holder is not None else None
+            if holder is not None and owner not in live:
+                # The name belongs to a column dropped at the source: it keeps its history aside.
+                plan.renames[holder.field_id] = f"{column.name}__dropped_{owner}"
+                plan.changes.append(f"rename {column.name} -> {column.name}__dropped_{owner} (dropped at the source)")
+            continue
+        if column.attnum is not None and current.field_id not in attnums:
+            plan.adopted[current.field_id] = column.attnum
+        if current.name != column.name:
+            plan.renames[current.field_id] = column.name
+            plan.changes.append(f"rename {current.name} -> {column.name}")
+        fit = column_fit(current.field_type, wanted)
+        if fit == "widen":
+            plan.widenings.append((current.field_id, wanted))
+            plan.changes.append(f"widen {column.name} {current.field_type} -> {wanted}")
+        elif fit == "incompatible":
+            raise UnsupportedTypeError(
+                f"{table.name()}: column {column.name} changed from {current.field_type} to {wanted} at the source; "
+                "only widening changes (int->bigint, real->double, numeric precision up, varchar->text) are replicated"
+            )
+    return plan
+
+
+def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
+    """Bring the Iceberg schema up to the source ``columns`` (the newest description of the table):
+    renames by column identity, new columns (with a pending fill when added with a DEFAULT), safe
+    widenings. Columns dropped at the source stay in Iceberg (they keep their history and read null
+    from then on). A narrowed column keeps its wider Iceberg type; any other change of type is
+    refused (see :func:`column_fit`). Returns what changed."""
+    plan = _plan(table, columns)
+    if not plan.changes and not plan.adopted:
+        return []
+    schema = table.schema()
+    names = set(schema.column_names)
+    if any(name in names for name in plan.renames.values()) or any(c.name in names for c, _ in plan.additions):
+        # A swap of names or a name taken over: move the renamed fields out of the way first (a crash
+        # in between is harmless: the next evolution finds them by identity).
+        with table.update_schema() as update:
+            for field_id in plan.renames:
+                update.rename_column(schema.find_column_name(field_id), f"__pg2iceberg_renaming_{field_id}")
+    attnums = column_attnums(table)
+    fills = _json_property(table, PENDING_FILLS)
+    with table.transaction() as transaction:
+        with transaction.update_schema() as update:
+            current = transaction.table_metadata.schema()
+            for field_id, name in plan.renames.items():
+                update.rename_column(current.find_column_name(field_id), name)
+            for field_id, wanted in plan.widenings:
+                update.update_column(current.find_column_name(field_id), field_type=wanted)
+            for column, wanted in plan.additions:
+                update.add_column(column.name, wanted)
+        evolved = transaction.table_metadata.schema()
+        attnums.update(plan.adopted)
+        for column, _ in plan.additions:
+            field_id = evolved.find_field(column.name).field_id
+            if column.attnum is not None:
+                attnums[field_id] = column.attnum
+            if column.missing is not None:
+                fills[str(field_id)] = {"column": column.to_json(), "value": column.missing}
+        transaction.set_properties(
+            {
+                COLUMN_ATTNUMS: json.dumps({str(k): v for k, v in sorted(attnums.items())}, sort_keys=True),
+                PENDING_FILLS: json.dumps(fills, sort_keys=True),
+            }
+        )
+    return plan.changes
+
+
+def without_pending_fills(table: Table, done: Sequence[int] | None = None) -> dict[str, str]:
+    """The pending-fill property with the fills of ``done`` (default: all) removed, to set in a commit."""
+    fills = _json_property(table, PENDING_FILLS) if done is not None else {}
+    for field_id in done or ():
+        fills.pop(str(field_id), None)
+    return {PENDING_FILLS: json.dumps(fills, sort_keys=True)}
+
+
+def clear_pending_fills(table: Table, done: Sequence[int]) -> None:
+    """Forget the fills that are done (their values are in every existing row)."""
+    table.transaction().set_properties(without_pending_fills(table, done)).commit_transaction()
