@@ -21,6 +21,12 @@ class StartupCheckError(Pg2IcebergError):
     exit_code = 3
 
 
+class SchemaChangeError(Pg2IcebergError):
+    """A source schema change whose effect on existing rows no WAL change carries."""
+
+    exit_code = 3
+
+
 class UnsupportedTypeError(Pg2IcebergError):
     """A column type has no faithful Iceberg representation."""
 

@@ -87,6 +87,8 @@ WIDENINGS = {
     "varchar(40)": "text",
 }
 GENERATORS["numeric(16,2)"] = GENERATORS["numeric(12,2)"]
+# Widenings PostgreSQL performs by rewriting the table (the others only relabel).
+REWRITING_WIDENINGS = {"integer", "smallint", "real"}
 
 
 @dataclass
@@ -112,6 +114,9 @@ class TableModel:
     columns: list[Column]
     keys: set[tuple[str, ...]] = field(default_factory=set)
     next_id: int = 1
+    # A rewrite after ADD COLUMN ... DEFAULT erases the catalog's record of the default before the
+    # flusher may have read it: the merge then refuses (documented), which this workload avoids.
+    defaulted: bool = False
 
     @property
     def qualified(self) -> str:
@@ -327,7 +332,9 @@ class Workload:
 
     def _schema_change(self, table: TableModel) -> str:
         roll = self.rng.random()
-        widenable = [c for c in table.columns if c.type in WIDENINGS]
+        widenable = [
+            c for c in table.columns if c.type in WIDENINGS and not (table.defaulted and c.type in REWRITING_WIDENINGS)
+        ]
         if roll < 0.2 or len(table.columns) < 3:
             self._added += 1
             column = Column(f"added_{self._added}", self.rng.choice(ADDABLE), self.rng.choice([0.0, 0.3, 0.9]))
@@ -349,6 +356,7 @@ class Workload:
                 )
             )
             table.columns.append(column)
+            table.defaulted = True
             return "add_column_default"
         if roll < 0.55:
             self._added += 1

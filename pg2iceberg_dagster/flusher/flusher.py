@@ -288,6 +288,7 @@ class Flusher:
                 not_null=column.name in key,
                 attnum=identity.attnum if identity is not None else None,
                 missing=identity.missing if identity is not None else None,
+                has_default=identity.has_default if identity is not None else False,
             )
             for column, identity in zip(relation.columns, identities, strict=True)
         )

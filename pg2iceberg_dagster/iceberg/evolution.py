@@ -23,7 +23,7 @@ from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
 
-from ..errors import UnsupportedTypeError
+from ..errors import SchemaChangeError, UnsupportedTypeError
 from ..source.catalog import SourceColumn
 from .types import field_ids, iceberg_type
 
@@ -153,7 +153,7 @@ def schema_follows_source(table: Table, columns: Sequence[SourceColumn]) -> list
     return problems
 
 
-def _plan(table: Table, columns: Sequence[SourceColumn]) -> _Plan:
+def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> _Plan:
     schema = table.schema()
     attnums = column_attnums(table)
     live = {column.attnum for column in columns if column.attnum is not None}
@@ -163,6 +163,7 @@ def _plan(table: Table, columns: Sequence[SourceColumn]) -> _Plan:
         wanted = iceberg_type(column.type, column.name, element_ids)
         current = field_for(schema, attnums, column)
         if current is None:
+            _refuse_unknown_older_values(table_key, column)
             plan.additions.append((column, wanted))
             default = f" (older rows: {column.missing})" if column.missing is not None else ""
             plan.changes.append(f"add column {column.name} {wanted}{default}")
@@ -190,13 +191,27 @@ def _plan(table: Table, columns: Sequence[SourceColumn]) -> _Plan:
     return plan
 
 
-def evolve_schema(table: Table, columns: Sequence[SourceColumn]) -> list[str]:
+def _refuse_unknown_older_values(table_key: str, column: SourceColumn) -> None:
+    """A new column with a default but no ``attmissingval``: rows older than it may hold values no
+    WAL change carried (a volatile default rewrites the table; any rewrite since the ALTER, such as
+    ``ALTER COLUMN ... TYPE`` or ``VACUUM FULL``, clears the catalog's record of a constant one)."""
+    if column.has_default and column.missing is None:
+        raise SchemaChangeError(
+            f"{table_key}: column {column.name} was added with a default that the table's older rows hold "
+            "without any WAL change, and the catalog no longer says which (a volatile default, or the table was "
+            "rewritten since the ALTER). Nothing was written. Snapshot the table again: pg2iceberg-dagster cleanup "
+            f"--table {table_key}, then snapshot. (If the column was added without a default and got one later, the "
+            "same recovery applies.)"
+        )
+
+
+def evolve_schema(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> list[str]:
     """Bring the Iceberg schema up to the source ``columns`` (the newest description of the table):
     renames by column identity, new columns (with a pending fill when added with a DEFAULT), safe
     widenings. Columns dropped at the source stay in Iceberg (they keep their history and read null
     from then on). A narrowed column keeps its wider Iceberg type; any other change of type is
     refused (see :func:`column_fit`). Returns what changed."""
-    plan = _plan(table, columns)
+    plan = _plan(table, table_key, columns)
     if not plan.changes and not plan.adopted:
         return []
     schema = table.schema()

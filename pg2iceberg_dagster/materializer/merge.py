@@ -210,7 +210,7 @@ class Materializer:
                 staged.append((relation, changes))
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.
-            schema_changes = evolve_schema(table, staged[-1][0].columns) if staged else []
+            schema_changes = evolve_schema(table, table_key, staged[-1][0].columns) if staged else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]

@@ -112,7 +112,9 @@ class SnapshotRunner:
 
         A table created by an earlier process follows the columns as they are now: a column renamed
         or added meanwhile is read under its new name by this process's chunks."""
-        commit_with_retry(lambda: evolve_schema(ensure_table(self.catalog, self.config, table), table.columns))
+        commit_with_retry(
+            lambda: evolve_schema(ensure_table(self.catalog, self.config, table), table.key, table.columns)
+        )
         with connect(self.config.source) as conn:
             pages = table_pages(conn, table.oid)
         planned = plan_chunks(table.key, pages, self.config.snapshot.chunk_pages, self.report.server_version)

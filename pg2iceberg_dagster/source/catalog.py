@@ -48,6 +48,8 @@ class SourceColumn:
     ``attnum`` is its identity (it survives a RENAME; None in files staged before it was recorded).
     ``missing`` is the text form of the value rows older than the column read
     (``pg_attribute.attmissingval``, set by ``ADD COLUMN ... DEFAULT <constant>``), else None.
+    ``has_default``: the column has a default now (with no ``missing``, rows older than the column
+    may hold a value no WAL change carried: a volatile default, or a table rewritten since).
     """
 
     name: str
@@ -55,6 +57,7 @@ class SourceColumn:
     not_null: bool
     attnum: int | None = None
     missing: str | None = None
+    has_default: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +66,7 @@ class SourceColumn:
             "not_null": self.not_null,
             "attnum": self.attnum,
             "missing": self.missing,
+            "has_default": self.has_default,
         }
 
     @classmethod
@@ -73,6 +77,7 @@ class SourceColumn:
             not_null=data["not_null"],
             attnum=data.get("attnum"),
             missing=data.get("missing"),
+            has_default=data.get("has_default", False),
         )
 
 
@@ -145,6 +150,7 @@ class Attribute:
     not_null: bool
     generated: bool
     missing: str | None
+    has_default: bool
 
 
 def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
@@ -152,7 +158,7 @@ def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
     rows = conn.execute(
         """
         SELECT attname, attnum, atttypid, atttypmod, attnotnull, attgenerated <> '',
-               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END
+               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END, atthasdef
         FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
         """,
         (oid,),
@@ -227,6 +233,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
             not_null=a.not_null,
             attnum=a.attnum,
             missing=a.missing,
+            has_default=a.has_default,
         )
         for a in attributes
     )
