@@ -274,10 +274,11 @@ class Flusher:
         table = self.tables.get(relation.key)
         if table is None:
             return None  # published but not configured: ignored
+        dimensions = self._resolver.declared_dimensions(relation.oid)
         columns = tuple(
             SourceColumn(
                 name=column.name,
-                type=self._resolver.resolve(column.type_oid, column.type_mod),
+                type=self._resolver.resolve(column.type_oid, column.type_mod, dimensions.get(column.name, 0)),
                 not_null=column.name in table.primary_key,
             )
             for column in relation.columns

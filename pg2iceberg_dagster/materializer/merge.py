@@ -225,7 +225,9 @@ class Materializer:
             if can_fold_vectorized(staged):
                 iceberg_arrow = arrow_schema(table.schema())
                 spark_schema = spark_arrow_schema(iceberg_arrow)
-                fast = fold_vectorized(staged, key, iceberg_arrow, spark_schema, spark_value)
+                fast = fold_vectorized(
+                    staged, key, iceberg_arrow, spark_schema, spark_value, self.config.values.out_of_range
+                )
                 return PreparedBatch(
                     identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
@@ -233,7 +235,7 @@ class Materializer:
             folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
         with timed_phase(timings, "arrow"):
-            rows = folded_arrow(folded, table)
+            rows = folded_arrow(folded, table, self.config.values.out_of_range)
         deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,

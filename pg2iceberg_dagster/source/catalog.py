@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import psycopg
@@ -21,7 +21,9 @@ class PgType:
     """A column type resolved through domains, with what decides its Iceberg mapping.
 
     ``kind`` is the base type's name (``int4``, ``numeric``, ...) or ``enum``/``composite``/``range``;
-    ``loader_oid`` is the type psycopg loads the value's text form with.
+    ``loader_oid`` is the type psycopg loads the value's text form with. ``dimensions`` is what an
+    array column declares (``pg_attribute.attndims``: 2 for ``int[][]``, 0 when not said); PostgreSQL
+    does not enforce it, but a column declared with more than one is stored as text.
     """
 
     name: str
@@ -30,6 +32,7 @@ class PgType:
     base_oid: int
     array_oid: int
     element: PgType | None = None
+    dimensions: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (stored in staged file metadata)."""
@@ -88,15 +91,27 @@ class TypeResolver:
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self._conn = conn
-        self._cache: dict[tuple[int, int], PgType] = {}
+        self._cache: dict[tuple[int, int, int], PgType] = {}
 
-    def resolve(self, oid: int, type_mod: int) -> PgType:
-        """The resolved type of a column declared as ``oid`` with ``type_mod``."""
-        cached = self._cache.get((oid, type_mod))
+    def resolve(self, oid: int, type_mod: int, dimensions: int = 0) -> PgType:
+        """The resolved type of a column declared as ``oid`` with ``type_mod`` (and ``dimensions``,
+        which only an array keeps)."""
+        cached = self._cache.get((oid, type_mod, dimensions))
         if cached is None:
             cached = self._resolve(oid, type_mod, display_name=None)
-            self._cache[(oid, type_mod)] = cached
+            if cached.kind == "array":
+                cached = replace(cached, dimensions=dimensions)
+            self._cache[(oid, type_mod, dimensions)] = cached
         return cached
+
+    def declared_dimensions(self, table_oid: int) -> dict[str, int]:
+        """The array columns of a table and the dimensions each declares (pgoutput's Relation message
+        does not say)."""
+        rows = self._conn.execute(
+            "SELECT attname, attndims FROM pg_attribute WHERE attrelid = %s AND attndims > 0 AND NOT attisdropped",
+            (table_oid,),
+        )
+        return dict(rows.fetchall())
 
     def _resolve(self, oid: int, type_mod: int, display_name: str | None) -> PgType:
         row = self._conn.execute(_TYPE_QUERY, {"oid": oid, "mod": type_mod}).fetchone()
@@ -152,15 +167,15 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
         raise StartupCheckError(f"{table.key} is not an ordinary table (relkind {relkind!r}); list its partitions")
     attributes = conn.execute(
         """
-        SELECT attname, atttypid, atttypmod, attnotnull, attgenerated <> '' FROM pg_attribute
+        SELECT attname, atttypid, atttypmod, attnotnull, attgenerated <> '', attndims FROM pg_attribute
         WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
         """,
         (oid,),
     ).fetchall()
-    _refuse_generated_columns(conn, table, [name for name, *_, generated in attributes if generated])
+    _refuse_generated_columns(conn, table, [name for name, _, _, _, generated, _ in attributes if generated])
     columns = tuple(
-        SourceColumn(name=name, type=resolver.resolve(type_oid, type_mod), not_null=not_null)
-        for name, type_oid, type_mod, not_null, _ in attributes
+        SourceColumn(name=name, type=resolver.resolve(type_oid, type_mod, dimensions), not_null=not_null)
+        for name, type_oid, type_mod, not_null, _, dimensions in attributes
     )
     declared_key = tuple(
         name
