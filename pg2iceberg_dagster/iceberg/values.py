@@ -84,8 +84,6 @@ def conform_text(kind: str, text: str, rule: OutOfRange) -> str | None:
 def conform_texts(kind: str, texts: pa.Array, rule: OutOfRange) -> pa.Array:
     """:func:`conform_text` over an Arrow array of texts, vectorized (a list array: over its elements)."""
     if pa.types.is_list(texts.type) or pa.types.is_large_list(texts.type):
-        if isinstance(texts, pa.ChunkedArray):
-            return pa.chunked_array([conform_texts(kind, chunk, rule) for chunk in texts.chunks], type=texts.type)
         elements = conform_texts(kind, texts.values, rule)
         offsets = texts.offsets
         return type(texts).from_arrays(offsets, elements, type=texts.type, mask=texts.is_null())
