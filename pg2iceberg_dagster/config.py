@@ -250,6 +250,17 @@ class MaterializeConfig(_Strict):
     interval_seconds: float = Field(10.0, gt=0)
 
 
+OutOfRange = Literal["clamp", "null"]
+
+
+class ValuesConfig(_Strict):
+    """What becomes of values Iceberg cannot hold (``iceberg/values.py`` has the table): ``clamp`` to the
+    nearest value it can (NaN in numeric(p, s) becomes NULL), or ``null``. Applied alike by the snapshot,
+    the merge and ``verify``; a change applies to values replicated after it."""
+
+    out_of_range: OutOfRange = "clamp"
+
+
 class PipelineConfig(_Strict):
     """The whole pipeline: source, tables, replication, state, staging, Iceberg, Spark."""
 
@@ -263,6 +274,7 @@ class PipelineConfig(_Strict):
     snapshot: SnapshotConfig = SnapshotConfig()
     flush: FlushConfig = FlushConfig()
     materialize: MaterializeConfig = MaterializeConfig()
+    values: ValuesConfig = ValuesConfig()
 
     @field_validator("tables")
     @classmethod

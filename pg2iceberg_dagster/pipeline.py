@@ -337,7 +337,7 @@ class Pipeline:
                     diff.only_in_pg = -1
                     diffs.append(diff)
                     continue
-                diffs.append(compare_table(conn, source, iceberg_table))
+                diffs.append(compare_table(conn, source, iceberg_table, self.config.values.out_of_range))
             conn.rollback()
         return diffs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,8 +12,9 @@ import pyarrow as pa
 from psycopg import sql
 from pyiceberg.table import Table
 
-from .iceberg.types import arrow_column, arrow_schema, iceberg_schema, loader_oid
-from .source.catalog import SourceTable
+from .config import OutOfRange
+from .iceberg.types import arrow_column, arrow_schema, iceberg_schema, text_loaders
+from .source.catalog import TEXT_OID, SourceTable
 
 
 @dataclass
@@ -33,22 +35,25 @@ class TableDiff:
         return not (self.only_in_pg or self.only_in_iceberg or self.different or self.duplicate_keys)
 
 
-def copy_rows(conn: psycopg.Connection, source: SourceTable, schema: pa.Schema) -> pa.Table:
-    """The whole table as ``schema``, read by ``COPY`` text on ``conn`` (inside the caller's transaction).
+def copy_rows(conn: psycopg.Connection, source: SourceTable, schema: pa.Schema, rule: OutOfRange) -> pa.Table:
+    """The whole table as ``schema``, read by ``COPY`` text on ``conn`` (inside the caller's transaction),
+    values Iceberg cannot hold mapped by ``rule``.
 
-    Deliberately not the snapshot's reader: values are parsed from their text form by psycopg's
-    loaders, as the WAL path parses them, so a decoding slip in either path shows up as a difference.
+    Deliberately not the snapshot's reader: values are parsed from their text form by the text loaders
+    the WAL path uses, so a decoding slip in either path shows up as a difference.
     """
     columns = sql.SQL(", ").join(sql.Identifier(column.name) for column in source.columns)
     query = sql.SQL("COPY (SELECT {} FROM {}.{}) TO STDOUT").format(
         columns, sql.Identifier(source.schema_name), sql.Identifier(source.table_name)
     )
+    loaders = text_loaders(source.columns, rule)
     values: list[list[object]] = [[] for _ in source.columns]
     with conn.cursor() as cursor, cursor.copy(query) as copy:
-        copy.set_types([loader_oid(column.type) for column in source.columns])
+        # COPY's escapes undone, each value's text goes through the column's loader.
+        copy.set_types([TEXT_OID] * len(source.columns))
         for row in copy.rows():
-            for position, value in enumerate(row):
-                values[position].append(value)
+            for position, text in enumerate(row):
+                values[position].append(None if text is None else loaders[position](text.encode()))
     by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
     arrays = [
         arrow_column(by_name[field.name], field.type, field.name)
@@ -59,6 +64,27 @@ def copy_rows(conn: psycopg.Connection, source: SourceTable, schema: pa.Schema) 
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+class _NaN:
+    """Stands for a float NaN in compared rows: NaN never equals itself, yet a NaN mirrored as NaN is equal."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NaN)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "NaN"
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return _NaN()
+    if isinstance(value, list):
+        return [_comparable(item) for item in value]
+    return value
+
+
 def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tuple[dict[tuple, tuple], int]:
     by_key: dict[tuple, tuple] = {}
     duplicates = 0
@@ -66,12 +92,15 @@ def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tu
         k = tuple(row[name] for name in key)
         if k in by_key:
             duplicates += 1
-        by_key[k] = tuple(row[name] for name in columns)
+        by_key[k] = tuple(_comparable(row[name]) for name in columns)
     return by_key, duplicates
 
 
-def compare_table(conn: psycopg.Connection, source: SourceTable, iceberg_table: Table, examples: int = 5) -> TableDiff:
-    """Compare a table read on ``conn`` (the caller's REPEATABLE READ transaction) with Iceberg.
+def compare_table(
+    conn: psycopg.Connection, source: SourceTable, iceberg_table: Table, rule: OutOfRange, examples: int = 5
+) -> TableDiff:
+    """Compare a table read on ``conn`` (the caller's REPEATABLE READ transaction) with Iceberg, after
+    ``rule`` mapped the source's values Iceberg cannot hold.
 
     A source column Iceberg does not have yet counts as NULL there: logical replication carries no
     DDL, so a column added in the source reaches Iceberg with the first change to the table after
@@ -81,7 +110,7 @@ def compare_table(conn: psycopg.Connection, source: SourceTable, iceberg_table: 
     iceberg_schema_arrow = arrow_schema(iceberg_table.schema())
     not_yet_in_iceberg = [column for column in source.columns if column.name not in iceberg_schema_arrow.names]
     schema = pa.schema([*iceberg_schema_arrow, *arrow_schema(iceberg_schema(not_yet_in_iceberg, ()))])
-    pg_rows = copy_rows(conn, source, schema)
+    pg_rows = copy_rows(conn, source, schema, rule)
     iceberg_rows = iceberg_table.scan().to_arrow()
     if iceberg_rows.num_rows:
         iceberg_rows = iceberg_rows.cast(iceberg_schema_arrow)

@@ -42,6 +42,7 @@ def test_minimal_config_defaults() -> None:
     assert config.replication.slot == "pg2iceberg_slot"
     assert config.staging.url == "file:///tmp/pg2iceberg/staging"
     assert config.iceberg.catalog.type == "sql"
+    assert config.values.out_of_range == "clamp"
     assert config.state_connection is config.source
     assert config.catalog_connection is config.source
     table = config.tables[0]
@@ -126,6 +127,14 @@ def test_bad_staging_url_scheme() -> None:
     """A staging url that is neither file:// nor s3:// is rejected at staging.url."""
     message = config_error(config_with(staging={"url": "http://bucket/prefix"}))
     assert "staging.url: must start with file:// or s3://" in message
+
+
+def test_values_out_of_range_takes_only_the_documented_rules() -> None:
+    """``values.out_of_range`` is clamp or null; anything else names the field and the choices."""
+    assert parse_config(config_with(values={"out_of_range": "null"})).values.out_of_range == "null"
+    message = config_error(config_with(values={"out_of_range": "saturate"}))
+    assert "values.out_of_range: Input should be 'clamp' or 'null'" in message
+    assert "values.policy: unknown field" in config_error(config_with(values={"policy": "clamp"}))
 
 
 def test_other_field_errors() -> None:

@@ -16,7 +16,7 @@ import pytest
 from psycopg import sql
 
 from pg2iceberg_dagster.coordination.store import Chunk
-from pg2iceberg_dagster.errors import Pg2IcebergError, UnsupportedTypeError
+from pg2iceberg_dagster.errors import Pg2IcebergError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.snapshot.chunks import read_chunk
 from pg2iceberg_dagster.snapshot.reader import ArrowReader
@@ -69,9 +69,9 @@ def test_binary_reader_agrees_with_the_text_path_on_awkward_values(source: Sourc
     schema = arrow_schema(iceberg_schema(table.columns, table.primary_key))
     config = source.config(["public.edge"])
     with ArrowReader(config.source) as reader:
-        binary = read_chunk(reader, table, Chunk("public.edge", 0, 0, None), schema, None)
+        binary = read_chunk(reader, table, Chunk("public.edge", 0, 0, None), schema, None, "clamp")
     with psycopg.connect(source.conninfo) as conn:
-        text = copy_rows(conn, table, schema)
+        text = copy_rows(conn, table, schema, "clamp")
     assert binary.schema == text.schema
     assert _comparable(binary) == _comparable(text)
     by_id = {row["id"]: row for row in binary.to_pylist()}
@@ -85,16 +85,6 @@ def test_binary_reader_agrees_with_the_text_path_on_awkward_values(source: Sourc
     assert by_id[1]["c_jsonb"] == '{"a": [null, "é"], "b": 1.50}'  # jsonb's own form: keys sorted
     assert by_id[1]["c_interval_array"] == ["1 day", None, "-00:00:01"]
     assert by_id[2]["c_jsonb"] is None and by_id[3]["c_jsonb"] == "null"  # SQL NULL is not JSON null
-
-
-def test_a_multidimensional_array_is_refused_not_flattened(source: SourceDb) -> None:
-    source.execute("CREATE TABLE public.grid (id int PRIMARY KEY, cells int[])")
-    source.execute("INSERT INTO public.grid VALUES (1, '{1,2}'), (2, '{{1,2},{3,4}}')")
-    table = _describe(source, "grid")
-    schema = arrow_schema(iceberg_schema(table.columns, table.primary_key))
-    config = source.config(["public.grid"])
-    with ArrowReader(config.source) as reader, pytest.raises(UnsupportedTypeError, match="cells: a 2-dimensional"):
-        read_chunk(reader, table, Chunk("public.grid", 0, 0, None), schema, None)
 
 
 def test_a_failed_read_leaves_the_reader_usable(source: SourceDb) -> None:

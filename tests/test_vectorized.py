@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
 import pytest
 
+from pg2iceberg_dagster.config import OutOfRange
 from pg2iceberg_dagster.errors import UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.materializer.arrow_rows import folded_arrow, spark_arrow_schema, spark_value
@@ -41,6 +43,9 @@ JSONB = pg_type("jsonb", "jsonb", 3802, 3807)
 TEXT_ARRAY = pg_type("text[]", "array", 1009, 0, element=TEXT)
 INT_ARRAY = pg_type("integer[]", "array", 1007, 0, element=INT4)
 UUID_ARRAY = pg_type("uuid[]", "array", 2951, 0, element=UUID)
+DATE_ARRAY = pg_type("date[]", "array", 1182, 0, element=DATE)
+NUMERIC_ARRAY = pg_type("numeric(12,2)[]", "array", 1231, 0, element=NUMERIC)
+INT_GRID = replace(INT_ARRAY, dimensions=2)
 
 COLUMNS = (
     SourceColumn("id", INT8, True),
@@ -60,9 +65,22 @@ COLUMNS = (
     SourceColumn("tags", TEXT_ARRAY, False),
     SourceColumn("counts", INT_ARRAY, False),
     SourceColumn("refs", UUID_ARRAY, False),
+    SourceColumn("days", DATE_ARRAY, False),
+    SourceColumn("prices", NUMERIC_ARRAY, False),
+    SourceColumn("grid", INT_GRID, False),
     SourceColumn('odd, "name" é', TEXT, False),
 )
 RELATION = StagedRelation("public.t", COLUMNS)
+# Values Iceberg cannot hold, and the edges of what it can (text as the pipeline's sessions write it).
+AWKWARD_DATES = ["infinity", "-infinity", "0044-03-15 BC", "10000-01-01", "5874897-12-31", "0001-01-01", "1200-02-29"]
+AWKWARD_TIMESTAMPTZ = [
+    "infinity",
+    "-infinity",
+    "0044-03-15 00:00:00+00 BC",
+    "294276-12-31 23:59:59+00",
+    "0001-01-01 00:00:00+00",
+    "9999-12-31 23:59:59.999999+00",
+]
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
@@ -79,15 +97,18 @@ def random_row(rng: random.Random, key: int) -> dict[str, str | None]:
         "flag": maybe(rng.choice(["t", "f"])),
         "ratio": maybe(rng.choice(["0.1", "-0", "1e+100", "NaN", "Infinity", "-Infinity", "5e-324", "3.14159"])),
         "single": maybe(rng.choice(["248413.11", "0.1", "NaN", "-Infinity"])),
-        "price": maybe(rng.choice(["0.00", "-12.34", "9999999999.99", "1.50"])),
+        "price": maybe(rng.choice(["0.00", "-12.34", "9999999999.99", "1.50", "NaN"])),
         "exact": maybe(rng.choice(["1.000000000000000000001", "NaN", "-5"])),
         "ref": maybe(str(uuid.UUID(int=rng.getrandbits(128)))),
-        "at": maybe(rng.choice(["2026-01-01 00:00:00+00", "1999-12-31 23:59:59.123456+05:30"])),
-        "day": maybe(rng.choice(["2020-02-29", "1970-01-01"])),
+        "at": maybe(rng.choice(["2026-01-01 00:00:00+00", "1999-12-31 23:59:59.123456+05:30", *AWKWARD_TIMESTAMPTZ])),
+        "day": maybe(rng.choice(["2020-02-29", "1970-01-01", *AWKWARD_DATES])),
         "doc": maybe('{"k": [1, 2], "s": "v"}'),
         "tags": maybe(rng.choice(["{}", '{a,"b c",NULL}', '{"x\\"y"}'])),
-        "counts": maybe(rng.choice(["{}", "{1,2,NULL}"])),
+        "counts": maybe(rng.choice(["{}", "{1,2,NULL}", "{{1,2},{3,NULL}}", "[0:1]={5,6}"])),
         "refs": maybe(rng.choice(["{}", "{NULL}", "{" + str(uuid.UUID(int=rng.getrandbits(128))) + "}"])),
+        "days": maybe(rng.choice(["{}", "{infinity,2020-01-01,NULL}", '{{"0044-03-15 BC",-infinity}}'])),
+        "prices": maybe(rng.choice(["{}", "{NaN,1.50,NULL}"])),
+        "grid": maybe(rng.choice(["{}", "{{1,2},{3,4}}", "{7}"])),
         'odd, "name" é': maybe("odd"),
     }
 
@@ -136,13 +157,15 @@ def same(a: Any, b: Any) -> bool:
     return a == b and type(a) is type(b)
 
 
-def assert_same_fold(files: list[bytes], iceberg_columns: tuple[SourceColumn, ...] = COLUMNS) -> None:
+def assert_same_fold(
+    files: list[bytes], iceberg_columns: tuple[SourceColumn, ...] = COLUMNS, rule: OutOfRange = "clamp"
+) -> None:
     staged = [read_staged(data) for data in files]
     assert can_fold_vectorized(staged)
     table = StubTable(iceberg_columns)
-    expected = folded_arrow(fold([codec.decode(data) for data in files], ["id"]), table)  # type: ignore[arg-type]
+    expected = folded_arrow(fold([codec.decode(data) for data in files], ["id"]), table, rule)  # type: ignore[arg-type]
     iceberg_arrow = arrow_schema(table.schema())
-    got = fold_vectorized(staged, ["id"], iceberg_arrow, spark_arrow_schema(iceberg_arrow), spark_value)
+    got = fold_vectorized(staged, ["id"], iceberg_arrow, spark_arrow_schema(iceberg_arrow), spark_value, rule)
     assert got.rows.schema == expected.schema
     assert got.changes == sum(t.num_rows for _, t in staged)
     assert got.deletes == sum(1 for op in expected.column("_op").to_pylist() if op == DELETE)
@@ -151,11 +174,12 @@ def assert_same_fold(files: list[bytes], iceberg_columns: tuple[SourceColumn, ..
             assert same(got_row[name], expected_row[name]), (name, got_row[name], expected_row[name])
 
 
+@pytest.mark.parametrize("rule", ["clamp", "null"])
 @pytest.mark.parametrize("seed", range(5))
-def test_vectorized_fold_equals_the_change_by_change_fold(seed: int) -> None:
+def test_vectorized_fold_equals_the_change_by_change_fold(seed: int, rule: OutOfRange) -> None:
     rng = random.Random(seed)
     changes = random_changes(rng, 3000, 400)
-    assert_same_fold(staged_files(changes, 700))
+    assert_same_fold(staged_files(changes, 700), rule=rule)
 
 
 def test_a_column_dropped_at_the_source_is_left_to_the_target() -> None:
@@ -195,5 +219,10 @@ def test_a_value_that_does_not_fit_names_its_column() -> None:
     iceberg_arrow = arrow_schema(StubTable(narrow).schema())
     with pytest.raises(UnsupportedTypeError, match="column n"):
         fold_vectorized(
-            [read_staged(d) for d in files], ["id"], iceberg_arrow, spark_arrow_schema(iceberg_arrow), spark_value
+            [read_staged(d) for d in files],
+            ["id"],
+            iceberg_arrow,
+            spark_arrow_schema(iceberg_arrow),
+            spark_value,
+            "clamp",
         )

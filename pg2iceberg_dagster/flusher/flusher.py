@@ -284,7 +284,7 @@ class Flusher:
         columns = tuple(
             SourceColumn(
                 name=column.name,
-                type=self._resolver.resolve(column.type_oid, column.type_mod),
+                type=self._resolver.resolve(column.type_oid, column.type_mod, identity.dimensions if identity else 0),
                 not_null=column.name in key,
                 attnum=identity.attnum if identity is not None else None,
                 missing=identity.missing if identity is not None else None,

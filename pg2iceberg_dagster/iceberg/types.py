@@ -15,7 +15,8 @@ bytea                                  binary
 date                                   date
 timestamp / timestamptz                timestamp / timestamptz
 uuid                                   uuid
-T[] (one dimension)                    list<T>
+T[] (declared with one dimension)      list<T>
+T[][] (declared with more)             string (PostgreSQL's text form)
 json, jsonb, xml, enums, interval,     string (PostgreSQL's text form)
 inet, cidr, macaddr, money, bit,
 ranges, composites, geometric, ...
@@ -25,6 +26,9 @@ numeric without precision              string (exact: no fixed scale fits)
 =====================================  ====================================
 
 Refused: numeric with precision above 38 or a negative scale, and pseudo types.
+
+Values these types cannot hold (infinite or BC dates and timestamps, years after 9999, numeric NaN,
+a multi-dimensional value in a list column) follow one configurable rule: ``iceberg/values.py``.
 
 The WAL path (pgoutput text tuples) and ``verify`` (COPY text rows) parse PostgreSQL's text form with
 psycopg's text loaders. The snapshot reads binary COPY through ADBC, and the text form for the types
@@ -62,8 +66,10 @@ from pyiceberg.types import (
     UUIDType,
 )
 
+from ..config import OutOfRange
 from ..errors import UnsupportedTypeError
 from ..source.catalog import TEXT_ARRAY_OID, TEXT_OID, PgType, SourceColumn
+from .values import RULED_KINDS, conform_dimensions, conform_text
 
 MAX_DECIMAL_PRECISION = 38
 
@@ -112,7 +118,7 @@ def iceberg_type(pg_type: PgType, column: str, element_ids: Callable[[], int]) -
     """The Iceberg type for a column; ``element_ids`` hands out field ids for list elements."""
     if pg_type.kind == "pseudo":
         raise UnsupportedTypeError(f"column {column}: pseudo type {pg_type.name} cannot be replicated")
-    if pg_type.kind == "array":
+    if is_list(pg_type):
         assert pg_type.element is not None
         element = iceberg_type(pg_type.element, column, element_ids)
         return ListType(element_id=element_ids(), element_type=element, element_required=False)
@@ -131,9 +137,16 @@ def iceberg_type(pg_type: PgType, column: str, element_ids: Callable[[], int]) -
     return factory() if factory else StringType()
 
 
+def is_list(pg_type: PgType) -> bool:
+    """An array stored as an Iceberg list: one declared with at most one dimension (``int[]``)."""
+    return pg_type.kind == "array" and pg_type.dimensions <= 1
+
+
 def loader_oid(pg_type: PgType) -> int:
     """The type whose psycopg text loader parses this column's text form."""
     if pg_type.kind == "array":
+        if not is_list(pg_type):
+            return TEXT_OID
         assert pg_type.element is not None
         return pg_type.element.array_oid if _is_native(pg_type.element) else TEXT_ARRAY_OID
     return pg_type.base_oid if _is_native(pg_type) else TEXT_OID
@@ -152,18 +165,56 @@ def iceberg_schema(columns: Sequence[SourceColumn], primary_key: Sequence[str]) 
     return Schema(*fields, identifier_field_ids=identifier_ids)
 
 
-def text_loaders(columns: Sequence[SourceColumn]) -> list[Callable[[bytes], Any]]:
-    """psycopg text loaders, one per column, turning PostgreSQL text into Python values."""
-    adapters = psycopg.adapters
-    loaders = []
-    for column in columns:
-        oid = loader_oid(column.type)
-        loader_class = adapters.get_loader(oid, Format.TEXT)
-        if loader_class is None:
-            loader_class = adapters.get_loader(TEXT_OID, Format.TEXT)
-        load = loader_class(oid, None).load  # type: ignore[misc]
-        loaders.append(_single_precision(load) if column.type.kind == "float4" else load)
-    return loaders
+def text_loaders(columns: Sequence[SourceColumn], rule: OutOfRange) -> list[Callable[[bytes], Any]]:
+    """psycopg text loaders, one per column, turning PostgreSQL text into Python values, with values
+    Iceberg cannot hold mapped by ``rule`` (``iceberg/values.py``)."""
+    return [_column_loader(column.type, rule) for column in columns]
+
+
+def _psycopg_loader(oid: int) -> Callable[[bytes], Any]:
+    loader_class = psycopg.adapters.get_loader(oid, Format.TEXT)
+    if loader_class is None:
+        loader_class = psycopg.adapters.get_loader(TEXT_OID, Format.TEXT)
+    return loader_class(oid, None).load  # type: ignore[misc]
+
+
+def _column_loader(pg_type: PgType, rule: OutOfRange) -> Callable[[bytes], Any]:
+    load = _psycopg_loader(loader_oid(pg_type))
+    if pg_type.kind == "float4":
+        return _single_precision(load)
+    if is_ruled(pg_type):
+        return _ruled(pg_type.kind, load, rule)
+    if not is_list(pg_type):
+        return load
+    assert pg_type.element is not None
+    if is_ruled(pg_type.element):
+        # Elements the rule may change: split as text[], then each element through the rule.
+        load_texts = _psycopg_loader(TEXT_ARRAY_OID)
+        load_element = _ruled(pg_type.element.kind, _psycopg_loader(loader_oid(pg_type.element)), rule)
+
+        def load_ruled_elements(data: bytes) -> Any:
+            texts = conform_dimensions(load_texts(data), rule)
+            return None if texts is None else [None if t is None else load_element(t.encode()) for t in texts]
+
+        return load_ruled_elements
+
+    def load_list(data: bytes) -> Any:
+        return conform_dimensions(load(data), rule)
+
+    return load_list
+
+
+def is_ruled(pg_type: PgType) -> bool:
+    """Values of this type may be ones Iceberg cannot hold (``iceberg/values.py``)."""
+    return pg_type.kind in RULED_KINDS and _is_native(pg_type)
+
+
+def _ruled(kind: str, load: Callable[[bytes], Any], rule: OutOfRange) -> Callable[[bytes], Any]:
+    def load_ruled(data: bytes) -> Any:
+        text = conform_text(kind, data.decode(), rule)
+        return None if text is None else load(text.encode())
+
+    return load_ruled
 
 
 def _single_precision(load: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

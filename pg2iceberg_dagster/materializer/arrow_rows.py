@@ -9,6 +9,7 @@ from typing import Any
 import pyarrow as pa
 from pyiceberg.table import Table
 
+from ..config import OutOfRange
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
 from ..staging.codec import DELETE
 from .fold import FoldResult
@@ -44,8 +45,9 @@ def spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema(fields)
 
 
-def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
-    """The folded rows as Arrow, typed like the Iceberg table, with ``_op`` and ``_unchanged``."""
+def folded_arrow(folded: FoldResult, table: Table, rule: OutOfRange) -> pa.Table:
+    """The folded rows as Arrow, typed like the Iceberg table (values it cannot hold mapped by
+    ``rule``), with ``_op`` and ``_unchanged``."""
     iceberg_arrow = arrow_schema(table.schema())
     spark_schema = spark_arrow_schema(iceberg_arrow)
     columns = [field.name for field in iceberg_arrow]
@@ -58,7 +60,7 @@ def folded_arrow(folded: FoldResult, table: Table) -> pa.Table:
         relation = row.relation
         if relation is not None and id(relation) not in loaders_by_relation:
             loaders_by_relation[id(relation)] = dict(
-                zip((c.name for c in relation.columns), text_loaders(relation.columns), strict=True)
+                zip((c.name for c in relation.columns), text_loaders(relation.columns, rule), strict=True)
             )
         loaders = loaders_by_relation.get(id(relation), {})
         missing = [name for name in columns if name not in row.data and name not in row.unchanged]

@@ -218,7 +218,9 @@ class Materializer:
             if can_fold_vectorized(staged):
                 iceberg_arrow = arrow_schema(table.schema())
                 spark_schema = spark_arrow_schema(iceberg_arrow)
-                fast = fold_vectorized(staged, key, iceberg_arrow, spark_schema, spark_value)
+                fast = fold_vectorized(
+                    staged, key, iceberg_arrow, spark_schema, spark_value, self.config.values.out_of_range
+                )
                 return PreparedBatch(
                     identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
@@ -226,7 +228,7 @@ class Materializer:
             folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
         with timed_phase(timings, "arrow"):
-            rows = folded_arrow(folded, table)
+            rows = folded_arrow(folded, table, self.config.values.out_of_range)
         deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
@@ -305,7 +307,8 @@ class Materializer:
                 target_type = spark_schema.field(name).type
                 convert = spark_value if target_type != iceberg_arrow.field(name).type else None
                 texts = pa.array([fill.value], pa.string())
-                arrays.append(typed_column(texts, fill.column, target_type, name, convert))
+                rule = self.config.values.out_of_range
+                arrays.append(typed_column(texts, fill.column, target_type, name, rule, convert))
             row = pa.Table.from_arrays(arrays, names=names)
             target = spark_identifier(self.config.iceberg.catalog.name, *identifier)
             with self._spark_view(self.spark, table_key, row) as view:

@@ -22,8 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+from ..config import OutOfRange
 from ..errors import UnsupportedTypeError
-from ..iceberg.types import arrow_column, loader_oid, text_loaders
+from ..iceberg.types import arrow_column, is_ruled, loader_oid, text_loaders
+from ..iceberg.values import conform_texts
 from ..source.catalog import TEXT_OID, SourceColumn
 from ..staging.codec import DELETE, TRUNCATE, StagedRelation
 from .fold import UPSERT
@@ -82,10 +84,11 @@ def typed_column(
     column: SourceColumn,
     target: pa.DataType,
     name: str,
+    rule: OutOfRange,
     convert: Callable[[Any], Any] | None = None,
 ) -> pa.Array:
-    """PostgreSQL text values -> ``target``, as the column's psycopg text loader would convert them
-    (then ``convert`` applied to each loaded value, when given)."""
+    """PostgreSQL text values -> ``target``, as the column's text loader would convert them, values
+    Iceberg cannot hold mapped by ``rule`` (then ``convert`` applied to each loaded value, when given)."""
     kind = column.type.kind
     try:
         textual = pa.types.is_string(target) or pa.types.is_large_string(target)
@@ -97,10 +100,12 @@ def typed_column(
         if kind == "bool" and pa.types.is_boolean(target):
             return pc.equal(texts, "t")
         if kind in _EXACT_CASTS and (pa.types.is_float64(target) or pa.types.is_decimal(target)):
+            if is_ruled(column.type):
+                texts = conform_texts(kind, texts, rule)
             return pc.cast(texts, target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise UnsupportedTypeError(f"column {name}: value cannot be stored as {target}: {exc}") from None
-    load = text_loaders([column])[0]
+    load = text_loaders([column], rule)[0]
     values = [None if text is None else load(text.encode()) for text in texts.to_pylist()]
     if convert is not None:
         values = [None if value is None else convert(value) for value in values]
@@ -113,10 +118,12 @@ def fold_vectorized(
     iceberg_schema: pa.Schema,
     spark_schema: pa.Schema,
     spark_value: Callable[[Any], Any],
+    rule: OutOfRange,
 ) -> VectorFold:
     """Keep the last change per key (log order) and type it like ``spark_schema`` (the Iceberg columns,
     ``iceberg_schema``, as Spark reads them; ``spark_value`` turns a loaded value into a column whose
-    Spark type differs), plus ``_op`` (U or D) and ``_unchanged`` (columns the change does not carry)."""
+    Spark type differs; values Iceberg cannot hold mapped by ``rule``), plus ``_op`` (U or D) and
+    ``_unchanged`` (columns the change does not carry)."""
     relation = batches[0][0]
     staged = pa.concat_tables([table for _, table in batches])
     changes = staged.num_rows
@@ -141,7 +148,7 @@ def fold_vectorized(
             continue
         convert = spark_value if field.type != iceberg_field.type else None
         texts = rows.column(field.name).combine_chunks()
-        arrays.append(typed_column(texts, column, field.type, field.name, convert))
+        arrays.append(typed_column(texts, column, field.type, field.name, rule, convert))
     arrays.append(pc.if_else(is_delete, DELETE, UPSERT).cast(pa.string()))
     unchanged_type = pa.list_(pa.string())
     if missing:

@@ -13,6 +13,7 @@ from pyiceberg.io.pyarrow import _dataframe_to_data_files  # pyiceberg is pinned
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
+from ..config import OutOfRange
 from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
 from ..iceberg.evolution import without_pending_fills
@@ -40,23 +41,31 @@ def plan_chunks(table_name: str, pages: int, chunk_pages: int, server_version: i
     ]
 
 
-def chunk_query(source: SourceTable, chunk: Chunk) -> sql.Composed:
+def chunk_query(source: SourceTable, chunk: Chunk, rule: OutOfRange) -> sql.Composed:
     """The chunk's ``SELECT``, a CTID range that runs as a TID Range Scan on PG 14+."""
     conditions = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({chunk.start_page},0)"))]
     if chunk.end_page is not None:
         conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({chunk.end_page},0)")))
     where = sql.SQL(" AND ").join(conditions) if chunk.start_page or chunk.end_page is not None else sql.SQL("true")
     return sql.SQL("SELECT {} FROM {}.{} WHERE {}").format(
-        select_expressions(source.columns), sql.Identifier(source.schema_name), sql.Identifier(source.table_name), where
+        select_expressions(source.columns, rule),
+        sql.Identifier(source.schema_name),
+        sql.Identifier(source.table_name),
+        where,
     )
 
 
 def read_chunk(
-    reader: ArrowReader, source: SourceTable, chunk: Chunk, schema: pa.Schema, snapshot_name: str | None
+    reader: ArrowReader,
+    source: SourceTable,
+    chunk: Chunk,
+    schema: pa.Schema,
+    snapshot_name: str | None,
+    rule: OutOfRange,
 ) -> pa.Table:
     """Read a chunk as ``schema`` under the exported snapshot ``snapshot_name`` (None: a snapshot of its
-    own, for tools; the snapshot always passes one)."""
-    return conform(reader.read(chunk_query(source, chunk), snapshot_name), source, schema)
+    own, for tools; the snapshot always passes one), values Iceberg cannot hold mapped by ``rule``."""
+    return conform(reader.read(chunk_query(source, chunk, rule), snapshot_name), source, schema, rule)
 
 
 def chunk_marker(chunk: Chunk) -> str:

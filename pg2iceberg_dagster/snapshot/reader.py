@@ -13,8 +13,12 @@ then cast to the Iceberg table's Arrow type:
   ``::text`` cast where PostgreSQL has no cast function to text, ``format('%s', ...)`` elsewhere;
 - ``oid`` is read as ``bigint`` (the driver would read it as a signed 32-bit number).
 
-The driver flattens multi-dimensional arrays, which Iceberg's ``list`` cannot hold; the number of
-dimensions rides along and such a value is refused, as the WAL path refuses it.
+Values Iceberg cannot hold follow the configured rule (``iceberg/values.py``), as in the WAL path:
+dates and timestamps in the ``SELECT`` (the driver would wrap ``infinity`` and years past 9999 around
+into wrong values), numerics on their text in Arrow. The driver flattens a multi-dimensional array
+value in row-major order; its number of dimensions rides along for the rule. Arrays are sliced
+(``a[:]``) to lower bound 1, which the driver requires. An array column declared with more than one
+dimension is read as its text form.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import threading
 import adbc_driver_manager
 import adbc_driver_postgresql.dbapi as adbc
 import pyarrow as pa
-import pyarrow.compute as pc
 from psycopg import sql
 
-from ..config import PostgresConnection
+from ..config import OutOfRange, PostgresConnection
 from ..errors import Pg2IcebergError, UnsupportedTypeError
+from ..iceberg.types import is_list, is_ruled
+from ..iceberg.values import TIME_KINDS, conform_flattened, conform_sql, conform_texts
 from ..source.catalog import PgType, SourceColumn, SourceTable
 from ..source.connection import SESSION_OPTIONS
 
@@ -87,29 +92,36 @@ def _cast_target(kind: str) -> sql.Composable | None:
     return None
 
 
-def _select_expression(name: sql.Identifier, pg_type: PgType) -> sql.Composable:
-    """How a column is selected so that the driver decodes it exactly."""
-    if pg_type.kind == "array":
+def _select_expression(name: sql.Identifier, pg_type: PgType, rule: OutOfRange) -> sql.Composable:
+    """How a column is selected so that the driver decodes it exactly, with the rule applied."""
+    if pg_type.kind == "array" and is_list(pg_type):
         assert pg_type.element is not None
-        target = _cast_target(pg_type.element.kind)
-        if target is not None:
-            return sql.SQL("{}::{}[]").format(name, target)
+        kind = pg_type.element.kind
+        target = _cast_target(kind)
+        if target is not None and kind not in TIME_KINDS:
+            return sql.SQL("({}::{}[])[:]").format(name, target)
+        element = conform_sql(kind, sql.SQL("e.v"), rule) if kind in TIME_KINDS else _output_text(sql.SQL("e.v"))
         # Element by element, in order, NULL elements kept.
         return sql.SQL(
             "CASE WHEN {0} IS NULL THEN NULL ELSE ARRAY(SELECT {1} FROM pg_catalog.unnest({0}) "
             "WITH ORDINALITY AS e(v, n) ORDER BY e.n) END"
-        ).format(name, _output_text(sql.SQL("e.v")))
+        ).format(name, element)
+    if pg_type.kind == "array":
+        return _output_text(name)
     target = _cast_target(pg_type.kind)
-    return sql.SQL("{}::{}").format(name, target) if target is not None else _output_text(name)
+    if target is None:
+        return _output_text(name)
+    value = sql.SQL("{}::{}").format(name, target)
+    return conform_sql(pg_type.kind, value, rule) if pg_type.kind in TIME_KINDS else value
 
 
-def select_expressions(columns: tuple[SourceColumn, ...]) -> sql.Composed:
+def select_expressions(columns: tuple[SourceColumn, ...], rule: OutOfRange) -> sql.Composed:
     """The chunk query's select list: each column in a form decoded exactly, plus array dimensions."""
     expressions: list[sql.Composable] = []
     for position, column in enumerate(columns):
         name = sql.Identifier(column.name)
-        expressions.append(sql.SQL("{} AS {}").format(_select_expression(name, column.type), name))
-        if column.type.kind == "array":
+        expressions.append(sql.SQL("{} AS {}").format(_select_expression(name, column.type, rule), name))
+        if is_list(column.type):
             expressions.append(
                 sql.SQL("pg_catalog.array_ndims({}) AS {}").format(name, sql.Identifier(f"{_NDIMS_PREFIX}{position}"))
             )
@@ -131,23 +143,34 @@ def _conform(values: pa.ChunkedArray, target: pa.DataType, column: str) -> pa.Ch
         raise UnsupportedTypeError(f"column {column}: value cannot be stored as {target}: {exc}") from None
 
 
-def conform(decoded: pa.Table, source: SourceTable, schema: pa.Schema) -> pa.Table:
+def _ruled(decoded: pa.Table, position: int, column: SourceColumn, rule: OutOfRange) -> pa.ChunkedArray:
+    """A decoded column with the rule applied where Arrow applies it: numerics (on their text) and the
+    dimensions of list values."""
+    values = decoded.column(column.name)
+    pg_type = column.type
+    if is_list(pg_type):
+        assert pg_type.element is not None
+        dimensions = decoded.column(f"{_NDIMS_PREFIX}{position}")
+        values = pa.chunked_array(
+            [conform_flattened(v, d, rule) for v, d in zip(values.chunks, dimensions.chunks, strict=True)],
+            type=values.type,
+        )
+        pg_type = pg_type.element
+    if pg_type.kind == "numeric" and is_ruled(pg_type):
+        values = pa.chunked_array([conform_texts("numeric", chunk, rule) for chunk in values.chunks], type=values.type)
+    return values
+
+
+def conform(decoded: pa.Table, source: SourceTable, schema: pa.Schema, rule: OutOfRange) -> pa.Table:
     """The decoded chunk as a table of ``schema`` (columns the source no longer has are null)."""
-    for position, column in enumerate(source.columns):
-        if column.type.kind != "array":
-            continue
-        dimensions = pc.max(decoded.column(f"{_NDIMS_PREFIX}{position}")).as_py()
-        if dimensions is not None and dimensions > 1:
-            raise UnsupportedTypeError(
-                f"column {column.name}: a {dimensions}-dimensional array value cannot be stored as an Iceberg list"
-            )
-    names = {column.name for column in source.columns}
-    arrays = [
-        _conform(decoded.column(field.name), field.type, field.name)
-        if field.name in names
-        else pa.nulls(decoded.num_rows, field.type)
-        for field in schema
-    ]
+    by_name = {column.name: (position, column) for position, column in enumerate(source.columns)}
+    arrays = []
+    for field in schema:
+        if field.name in by_name:
+            position, column = by_name[field.name]
+            arrays.append(_conform(_ruled(decoded, position, column, rule), field.type, field.name))
+        else:
+            arrays.append(pa.nulls(decoded.num_rows, field.type))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 

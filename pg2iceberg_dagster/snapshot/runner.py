@@ -168,7 +168,7 @@ class SnapshotRunner:
         if schema is None:
             schema = self._schemas[table.key] = arrow_schema_for(self._iceberg_table(table))
         try:
-            return read_chunk(reader, table, chunk, schema, snapshot.name)
+            return read_chunk(reader, table, chunk, schema, snapshot.name, self.config.values.out_of_range)
         except Pg2IcebergError as exc:
             if self.store.exported_snapshot(holder_lock_key(self.config)) != snapshot:
                 raise Pg2IcebergError(

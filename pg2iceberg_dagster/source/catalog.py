@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import psycopg
@@ -21,7 +21,9 @@ class PgType:
     """A column type resolved through domains, with what decides its Iceberg mapping.
 
     ``kind`` is the base type's name (``int4``, ``numeric``, ...) or ``enum``/``composite``/``range``;
-    ``loader_oid`` is the type psycopg loads the value's text form with.
+    ``loader_oid`` is the type psycopg loads the value's text form with. ``dimensions`` is what an
+    array column declares (``pg_attribute.attndims``: 2 for ``int[][]``, 0 when not said); PostgreSQL
+    does not enforce it, but a column declared with more than one is stored as text.
     """
 
     name: str
@@ -30,6 +32,7 @@ class PgType:
     base_oid: int
     array_oid: int
     element: PgType | None = None
+    dimensions: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (stored in staged file metadata)."""
@@ -114,14 +117,17 @@ class TypeResolver:
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self._conn = conn
-        self._cache: dict[tuple[int, int], PgType] = {}
+        self._cache: dict[tuple[int, int, int], PgType] = {}
 
-    def resolve(self, oid: int, type_mod: int) -> PgType:
-        """The resolved type of a column declared as ``oid`` with ``type_mod``."""
-        cached = self._cache.get((oid, type_mod))
+    def resolve(self, oid: int, type_mod: int, dimensions: int = 0) -> PgType:
+        """The resolved type of a column declared as ``oid`` with ``type_mod`` (and ``dimensions``,
+        which only an array keeps)."""
+        cached = self._cache.get((oid, type_mod, dimensions))
         if cached is None:
             cached = self._resolve(oid, type_mod, display_name=None)
-            self._cache[(oid, type_mod)] = cached
+            if cached.kind == "array":
+                cached = replace(cached, dimensions=dimensions)
+            self._cache[(oid, type_mod, dimensions)] = cached
         return cached
 
     def _resolve(self, oid: int, type_mod: int, display_name: str | None) -> PgType:
@@ -151,6 +157,7 @@ class Attribute:
     generated: bool
     missing: str | None
     has_default: bool
+    dimensions: int  # declared array dimensions (attndims), 0 for a non-array
 
 
 def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
@@ -158,7 +165,7 @@ def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
     rows = conn.execute(
         """
         SELECT attname, attnum, atttypid, atttypmod, attnotnull, attgenerated <> '',
-               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END, atthasdef
+               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END, atthasdef, attndims
         FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
         """,
         (oid,),
@@ -229,7 +236,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     columns = tuple(
         SourceColumn(
             name=a.name,
-            type=resolver.resolve(a.type_oid, a.type_mod),
+            type=resolver.resolve(a.type_oid, a.type_mod, a.dimensions),
             not_null=a.not_null,
             attnum=a.attnum,
             missing=a.missing,
