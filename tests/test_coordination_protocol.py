@@ -312,7 +312,15 @@ def _materializer(tmp_path: Path, store: InMemoryCoordinationStore) -> Materiali
     def no_spark() -> None:
         raise AssertionError("Spark was started")
 
-    return Materializer(config, store, catalog=None, spark_factory=no_spark, worker_id="me")  # type: ignore[arg-type]
+    class NoIcebergTable:
+        """The catalog of a table with nothing to fill (the materializer looks once per table)."""
+
+        properties: dict[str, str] = {}
+
+        def load_table(self, identifier: tuple[str, str]) -> NoIcebergTable:
+            return self
+
+    return Materializer(config, store, catalog=NoIcebergTable(), spark_factory=no_spark, worker_id="me")  # type: ignore[arg-type]
 
 
 def test_materializer_waits_for_the_snapshot_and_for_changes(tmp_path: Path) -> None:

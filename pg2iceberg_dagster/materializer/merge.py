@@ -121,6 +121,7 @@ class Materializer:
         self._spark: Any = None
         self.worker_id = worker_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.group = config.materialize.group
+        self._fills_checked: set[str] = set()
 
     @property
     def spark(self) -> Any:
@@ -143,8 +144,7 @@ class Materializer:
         if state is None or not state.snapshot_complete:
             result.waiting_for_snapshot = True
             return result
-        identifier = table_identifier(self.config, table_key)
-        if result.lag.changes <= 0 and not pending_fills(self.catalog.load_table(identifier)):
+        if result.lag.changes <= 0 and not self._fills_pending_at_start(table_key):
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
             self._start_spark(table_key, result.timings)
@@ -163,6 +163,14 @@ class Materializer:
         result.lag = self.store.lag(self.group, table_key)
         result.seconds = time.monotonic() - started
         return result
+
+    def _fills_pending_at_start(self, table_key: str) -> bool:
+        """Whether a snapshot left defaults of added columns to fill (a merge fills its own before it
+        merges): looked at once per process and table, so an idle table costs no catalog read."""
+        if table_key in self._fills_checked:
+            return False
+        self._fills_checked.add(table_key)
+        return bool(pending_fills(self.catalog.load_table(table_identifier(self.config, table_key))))
 
     def replay_epoch(self, table_key: str) -> SnapshotEpoch | None:
         """The snapshot epoch the table's rows were read in (None for a table snapshotted before epochs)."""
