@@ -19,7 +19,7 @@ from ..coordination.protocol import StagedLogStore
 from ..coordination.store import StagedFile
 from ..faults import crash_point
 from ..source import pgoutput
-from ..source.catalog import SourceColumn, SourceTable, TypeResolver, identify_columns, table_attributes
+from ..source.catalog import SourceTable, TypeResolver, identify_columns, source_column, table_attributes
 from ..source.connection import connect
 from ..source.lsn import current_wal_lsn
 from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
@@ -282,13 +282,11 @@ class Flusher:
         names = {a.attnum: column.name for a, column in zip(identities, relation.columns, strict=True) if a is not None}
         key = tuple(names.get(table.column(name).attnum or 0, name) for name in table.primary_key)
         columns = tuple(
-            SourceColumn(
-                name=column.name,
-                type=self._resolver.resolve(column.type_oid, column.type_mod, identity.dimensions if identity else 0),
-                not_null=column.name in key,
-                attnum=identity.attnum if identity is not None else None,
-                missing=identity.missing if identity is not None else None,
-                has_default=identity.has_default if identity is not None else False,
+            source_column(
+                column.name,
+                self._resolver.resolve(column.type_oid, column.type_mod, identity.dimensions if identity else 0),
+                column.name in key,
+                identity,
             )
             for column, identity in zip(relation.columns, identities, strict=True)
         )

@@ -81,28 +81,35 @@ def column_attnums(table: Table) -> dict[int, int]:
     return {int(field_id): attnum for field_id, attnum in _json_property(table, COLUMN_ATTNUMS).items()}
 
 
+def _attnums_property(attnums: dict[int, int]) -> dict[str, str]:
+    return {COLUMN_ATTNUMS: json.dumps({str(k): v for k, v in sorted(attnums.items())}, sort_keys=True)}
+
+
 def attnum_properties(schema: Schema, columns: Sequence[SourceColumn]) -> dict[str, str]:
     """The table property recording which field mirrors which source column (for a new table)."""
-    attnums = {
-        str(schema.find_field(column.name).field_id): column.attnum for column in columns if column.attnum is not None
-    }
-    return {COLUMN_ATTNUMS: json.dumps(attnums, sort_keys=True)}
+    return _attnums_property(
+        {schema.find_field(column.name).field_id: column.attnum for column in columns if column.attnum is not None}
+    )
 
 
 @dataclass(frozen=True)
 class PendingFill:
-    """Rows older than the column take ``value`` (PostgreSQL text form of ``column``'s type)."""
+    """Rows older than ``column`` take its ``missing`` value (PostgreSQL text form of its type)."""
 
     field_id: int
     column: SourceColumn
-    value: str
+
+    @property
+    def value(self) -> str:
+        assert self.column.missing is not None  # only columns with a missing value are recorded
+        return self.column.missing
 
 
 def pending_fills(table: Table) -> list[PendingFill]:
     """Columns added with a DEFAULT whose value existing rows do not hold yet."""
     return [
-        PendingFill(int(field_id), SourceColumn.from_json(entry["column"]), entry["value"])
-        for field_id, entry in sorted(_json_property(table, PENDING_FILLS).items())
+        PendingFill(int(field_id), SourceColumn.from_json(column))
+        for field_id, column in sorted(_json_property(table, PENDING_FILLS).items())
     ]
 
 
@@ -240,13 +247,8 @@ def evolve_schema(table: Table, table_key: str, columns: Sequence[SourceColumn])
             if column.attnum is not None:
                 attnums[field_id] = column.attnum
             if column.missing is not None:
-                fills[str(field_id)] = {"column": column.to_json(), "value": column.missing}
-        transaction.set_properties(
-            {
-                COLUMN_ATTNUMS: json.dumps({str(k): v for k, v in sorted(attnums.items())}, sort_keys=True),
-                PENDING_FILLS: json.dumps(fills, sort_keys=True),
-            }
-        )
+                fills[str(field_id)] = column.to_json()
+        transaction.set_properties({**_attnums_property(attnums), PENDING_FILLS: json.dumps(fills, sort_keys=True)})
     return plan.changes
 
 

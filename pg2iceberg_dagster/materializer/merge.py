@@ -144,11 +144,15 @@ class Materializer:
         if state is None or not state.snapshot_complete:
             result.waiting_for_snapshot = True
             return result
-        if result.lag.changes <= 0 and not self._fills_pending_at_start(table_key):
+        # A batch fills what its table has pending; with no batch to merge, only a snapshot can have
+        # left fills (once per process and table, so an idle table costs no catalog read).
+        unfilled = self._table_with_fills_left(table_key) if result.lag.changes <= 0 else None
+        if result.lag.changes <= 0 and unfilled is None:
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
             self._start_spark(table_key, result.timings)
-            self._fill_pending(table_key, result.timings)
+            if unfilled is not None:
+                self._fill_pending(table_key, unfilled, result.timings)
             for _ in range(rounds):
                 head = self.store.log_head(table_key)
                 while max_batches is None or result.batches < max_batches:
@@ -164,13 +168,14 @@ class Materializer:
         result.seconds = time.monotonic() - started
         return result
 
-    def _fills_pending_at_start(self, table_key: str) -> bool:
-        """Whether a snapshot left defaults of added columns to fill (a merge fills its own before it
-        merges): looked at once per process and table, so an idle table costs no catalog read."""
+    def _table_with_fills_left(self, table_key: str) -> Table | None:
+        """The Iceberg table when a snapshot left defaults of added columns to fill, the first time
+        this process asks for ``table_key``; else None."""
         if table_key in self._fills_checked:
-            return False
+            return None
         self._fills_checked.add(table_key)
-        return bool(pending_fills(self.catalog.load_table(table_identifier(self.config, table_key))))
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        return table if pending_fills(table) else None
 
     def replay_epoch(self, table_key: str) -> SnapshotEpoch | None:
         """The snapshot epoch the table's rows were read in (None for a table snapshotted before epochs)."""
@@ -253,7 +258,7 @@ class Materializer:
     ) -> None:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
-        self._fill_pending(table_key, timings)
+        self._fill_pending(table_key, prepared.table, timings)
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
         with timed_phase(timings, "spark_merge"):
@@ -297,25 +302,24 @@ class Materializer:
             columns = [f.name for f in prepared.table.schema().fields]
             spark.sql(merge_statement(target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged))
 
-    def _fill_pending(self, table_key: str, timings: dict[str, float]) -> None:
+    def _fill_pending(self, table_key: str, table: Table, timings: dict[str, float]) -> None:
         """Give every existing row the value of each column added with a DEFAULT since the last merge
         (PostgreSQL shows it on rows older than the ALTER, with no WAL change), then forget the fill.
         Runs before anything newer is merged, so every row it touches is older than the ALTER."""
-        identifier = table_identifier(self.config, table_key)
-        table = self.catalog.load_table(identifier)
         fills = pending_fills(table)
         if not fills:
             return
+        identifier = table_identifier(self.config, table_key)
         with timed_phase(timings, "spark_merge"):
             iceberg_arrow = arrow_schema(table.schema())
             spark_schema = spark_arrow_schema(iceberg_arrow)
             names = [table.schema().find_column_name(fill.field_id) for fill in fills]
+            rule = self.config.values.out_of_range
             arrays = []
             for fill, name in zip(fills, names, strict=True):
                 target_type = spark_schema.field(name).type
                 convert = spark_value if target_type != iceberg_arrow.field(name).type else None
                 texts = pa.array([fill.value], pa.string())
-                rule = self.config.values.out_of_range
                 arrays.append(typed_column(texts, fill.column, target_type, name, rule, convert))
             row = pa.Table.from_arrays(arrays, names=names)
             target = spark_identifier(self.config.iceberg.catalog.name, *identifier)

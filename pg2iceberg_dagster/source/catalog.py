@@ -160,6 +160,21 @@ class Attribute:
     dimensions: int  # declared array dimensions (attndims), 0 for a non-array
 
 
+def source_column(name: str, pg_type: PgType, not_null: bool, attribute: Attribute | None) -> SourceColumn:
+    """A column named and typed as given, with the identity and defaults of its catalog ``attribute``
+    (None when the catalog cannot say which column it is)."""
+    if attribute is None:
+        return SourceColumn(name=name, type=pg_type, not_null=not_null)
+    return SourceColumn(
+        name=name,
+        type=pg_type,
+        not_null=not_null,
+        attnum=attribute.attnum,
+        missing=attribute.missing,
+        has_default=attribute.has_default,
+    )
+
+
 def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
     """The table's live columns in ``attnum`` order (the order pgoutput's Relation message lists them)."""
     rows = conn.execute(
@@ -234,15 +249,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     attributes = table_attributes(conn, oid)
     _refuse_generated_columns(conn, table, [a.name for a in attributes if a.generated])
     columns = tuple(
-        SourceColumn(
-            name=a.name,
-            type=resolver.resolve(a.type_oid, a.type_mod, a.dimensions),
-            not_null=a.not_null,
-            attnum=a.attnum,
-            missing=a.missing,
-            has_default=a.has_default,
-        )
-        for a in attributes
+        source_column(a.name, resolver.resolve(a.type_oid, a.type_mod, a.dimensions), a.not_null, a) for a in attributes
     )
     declared_key = tuple(
         name
