@@ -12,9 +12,10 @@ from pathlib import Path
 from dagster import Definitions
 
 from assets import Pg2IcebergTranslator, table_definitions
+from jobs import resync_job
 from pg2iceberg_dagster.config import load_config
 from resources import Pg2IcebergResource, SparkResource
-from sensors import flusher_sensor, merge_automation_sensor, snapshot_planner_sensor
+from sensors import flusher_sensor, merge_automation_sensor, resync_sensor, snapshot_planner_sensor
 
 DEFAULT_CONFIG = Path(__file__).parent / ".pg2iceberg" / "pg2iceberg.yaml"
 
@@ -28,12 +29,15 @@ def build_definitions(config_path: str | os.PathLike[str], pg2iceberg: Pg2Iceber
     translator = Pg2IcebergTranslator(load_config(config_path))  # the graph's shape: tables and names
     pg2iceberg = pg2iceberg or Pg2IcebergResource(config_path=config_path)
     specs, assets = table_definitions(translator, pg2iceberg)
+    resync = resync_job(translator)
     return Definitions(
         assets=[*specs, *assets],
+        jobs=[resync],
         sensors=[
             flusher_sensor(translator),
             snapshot_planner_sensor(translator),
             merge_automation_sensor(translator),
+            resync_sensor(resync),
         ],
         resources={"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)},
     )

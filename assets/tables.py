@@ -114,6 +114,8 @@ def _merge_metadata(
         "lag": result.lag.changes,
         "last_lsn": result.last_lsn_text,
         "schema_changes": MetadataValue.json(list(result.schema_changes)),
+        # A change the WAL cannot follow: merges wait for the resync job (its sensor launches it).
+        "resync_pending": result.resync_reason or "",
         "iceberg_snapshot_id": str(result.snapshot_id or ""),
         "merge_seconds": round(result.seconds, 3),
         # Where the merge spent its time (read, fold, arrow, spark_start, spark_merge, commit).
@@ -193,6 +195,8 @@ def iceberg_asset(
             if result.waiting_for_snapshot:
                 raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
             context.log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag.changes)
+            if result.resync_reason:
+                context.log.warning("%s waits for an online resync: %s", table.key, result.resync_reason)
             summary = pipeline.iceberg_summary(table.key)
             yield MaterializeResult(metadata=_merge_metadata(translator, table, result, summary))
             yield from table_check_results(pipeline.check_table(table.key), key)

@@ -96,6 +96,8 @@ def _print_merge(results) -> None:  # type: ignore[no-untyped-def]
     for key, result in results.items():
         if result.waiting_for_snapshot:
             print(f"{key}: waiting for its snapshot to complete")
+        elif result.resync_reason:
+            print(f"{key}: waiting for an online resync ({result.resync_reason}): `resync --table {key}` runs it")
         else:
             print(
                 f"{key}: {result.changes} changes ({result.upserts} upserts, {result.deletes} deletes) "
@@ -119,6 +121,19 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
     pipeline.run(_stop_on_signals())
+    return 0
+
+
+def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    keys = [pipeline.config.table(name).key for name in args.table or []] or list(pipeline.resyncs_pending())
+    if not keys:
+        print("no resync pending; name a table with --table")
+    for key in keys:
+        with _progress(None, "chunk", f"resync {key}") as bar:
+            result = pipeline.resync(key, on_chunk=lambda chunk, rows, bar=bar: bar.update(1))
+        print(f"{key}: {result.rows} rows in {result.chunks} chunks, switched in one commit (epoch {result.epoch})")
+        if result.schema_changes:
+            print(f"    schema: {', '.join(result.schema_changes)}")
     return 0
 
 
@@ -153,7 +168,8 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
         snap = "complete" if t.snapshot_complete else f"{t.chunks_done}/{t.chunks_total} chunks"
         snap += f" (epoch {t.snapshot_epoch})" if t.snapshot_epoch is not None else ""
         lag = f"staged log head {t.lag.log_head}, mat_cursor {t.lag.mat_cursor}, lag {t.lag.changes}"
-        print(f"{t.table}: snapshot {snap}; {lag}")
+        resync = f"; resync pending: {t.resync_reason}" if t.resync_reason else ""
+        print(f"{t.table}: snapshot {snap}; {lag}{resync}")
     return 0
 
 
@@ -198,6 +214,7 @@ COMMANDS = {
     "stream": (cmd_stream, "run the WAL flusher into the staged log"),
     "materialize": (cmd_materialize, "merge the staged log into Iceberg with Spark"),
     "run": (cmd_run, "snapshot, then stream and materialize in one process until interrupted"),
+    "resync": (cmd_resync, "copy tables again online (those named, or those a merge found need it)"),
     "verify": (cmd_verify, "compare PostgreSQL and Iceberg row by row (exit 5 on differences)"),
     "status": (cmd_status, "show slot, flushed LSN, snapshot progress and lag per table"),
     "hold-snapshot": (
@@ -242,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                 default=6 * 3600,
                 help="give up after this long (the snapshot holds back the source's xmin)",
             )
+        if name == "resync":
+            command.add_argument("--table", action="append", help="resync this table (repeatable)")
         if name == "status":
             command.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "cleanup":

@@ -248,6 +248,9 @@ class MaterializeConfig(_Strict):
     group: str = "default"
     max_batch_changes: int = Field(500_000, ge=1)
     interval_seconds: float = Field(10.0, gt=0)
+    # A source change the WAL cannot follow (a type Iceberg cannot evolve into, a rewrite that changed
+    # older rows) requests an online resync of that table; off: the merge stops with the error.
+    auto_resync: bool = True
 
 
 OutOfRange = Literal["clamp", "null"]

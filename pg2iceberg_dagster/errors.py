@@ -27,6 +27,19 @@ class SchemaChangeError(Pg2IcebergError):
     exit_code = 3
 
 
+class ResyncRequiredError(SchemaChangeError):
+    """A source change no WAL change carries (a rewrite that changes values, a type Iceberg cannot
+    evolve into): the table must be copied again, online (``resync --table``)."""
+
+    def __init__(self, table_key: str, reason: str) -> None:
+        super().__init__(
+            f"{table_key}: {reason}. Nothing was written. The table is resynced online: `pg2iceberg-dagster "
+            f"resync --table {table_key}` (`run` and Dagster do it on their own unless materialize.auto_resync is off)"
+        )
+        self.table_key = table_key
+        self.reason = reason
+
+
 class UnsupportedTypeError(Pg2IcebergError):
     """A column type has no faithful Iceberg representation."""
 

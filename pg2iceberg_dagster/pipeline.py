@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,12 +19,13 @@ from pyiceberg.exceptions import NoSuchTableError
 from .checks import ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
 from .config import PipelineConfig
 from .coordination.store import Chunk, CoordinationStore, Lag
-from .errors import StagingError
+from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .snapshot.holder import holder_lock_key
+from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.catalog import modification_count
 from .source.connection import connect
@@ -39,6 +41,7 @@ __all__ = [
     "Lag",
     "MergeResult",
     "Pipeline",
+    "ResyncResult",
     "SnapshotPlan",
     "TableCheckReport",
     "TableDiff",
@@ -62,6 +65,7 @@ class TableStatus:
     chunks_total: int
     lag: Lag
     snapshot_epoch: int | None = None  # the exported snapshot the table's rows were read under
+    resync_reason: str | None = None  # an online resync is pending or running, for this reason
 
     def as_json(self) -> dict[str, Any]:
         """Plain data for ``status --json``."""
@@ -74,6 +78,7 @@ class TableStatus:
             "mat_cursor": self.lag.mat_cursor,
             "lag": self.lag.changes,
             "snapshot_epoch": self.snapshot_epoch,
+            "resync_reason": self.resync_reason,
         }
 
 
@@ -208,6 +213,20 @@ class Pipeline:
         self.validate()
         return self.materializer().materialize_table(table_key, rounds=rounds)
 
+    def resync(self, table_key: str, reason: str = "requested", on_chunk: ChunkCallback | None = None) -> ResyncResult:
+        """Copy one table again, online, and switch it in one Iceberg commit (see snapshot.resync):
+        the one a merge requested, one interrupted, or a new one for ``reason``."""
+        source = self.validate(refresh=True).tables.get(table_key)
+        if source is None:
+            raise ConfigError(f"{table_key} is not a configured table")
+        worker = f"resync:{os.getpid()}"
+        return resync_table(self.config, self.store, self.catalog, source, worker, reason, on_chunk)
+
+    def resyncs_pending(self) -> dict[str, str]:
+        """Tables waiting for an online resync, with the reason."""
+        self.store.migrate()
+        return {key: state.resync_reason for key, state in self.store.table_states().items() if state.resync_reason}
+
     def lag(self, table_key: str) -> Lag:
         """The table's staged changes not merged yet by this pipeline's materializer group."""
         self.store.migrate()
@@ -217,7 +236,7 @@ class Pipeline:
         """The table has staged changes to merge and its snapshot is complete."""
         lag = self.lag(table_key)
         state = self.store.table_state(table_key)
-        return state is not None and state.snapshot_complete and lag.changes > 0
+        return state is not None and state.mergeable and lag.changes > 0
 
     def flush_tick(self, max_seconds: float) -> FlushTick | None:
         """Stream for at most ``max_seconds``; None before the snapshot has created the slot."""
@@ -290,11 +309,14 @@ class Pipeline:
         thread = threading.Thread(target=stream, name="flusher", daemon=True)
         thread.start()
         materializer = self.materializer()
+        resyncs = _ResyncWorker(self.config, self._spark_factory)
         wait = interval if interval is not None else self.config.materialize.interval_seconds
         try:
             while not stop.is_set():
                 staged.clear()  # a flush during the merge below sets it again: merge right after
-                for result in materializer.run_once().values():
+                results = materializer.run_once()
+                resyncs.start_next({key: r.resync_reason for key, r in results.items() if r.resync_reason})
+                for result in results.values():
                     if result.batches:
                         log.info(
                             "merged %s: %d changes in %.2f s (%s), lag %d",
@@ -308,6 +330,7 @@ class Pipeline:
         finally:
             stop.set()
             thread.join()
+            resyncs.join()
         if errors:
             raise errors[0]
 
@@ -359,6 +382,7 @@ class Pipeline:
                     chunks_total=len(chunks),
                     lag=self.store.lag(self.config.materialize.group, table.key),
                     snapshot_epoch=state.snapshot_epoch if state else None,
+                    resync_reason=state.resync_reason if state else None,
                 )
             )
         flushed = self.store.flushed_lsn()
@@ -376,6 +400,46 @@ class Pipeline:
             "snapshot_holder": {"epoch": held.epoch} if held else None,
             "tables": tables,
         }
+
+
+class _ResyncWorker:
+    """``run``'s resyncs: one table at a time, in a thread with its own connections, while the flusher
+    streams and the other tables merge. A failed resync is logged and tried again after a pause."""
+
+    RETRY_SECONDS = 60.0
+
+    def __init__(self, config: PipelineConfig, spark_factory: Any) -> None:
+        self.config = config
+        self._spark_factory = spark_factory
+        self._thread: threading.Thread | None = None
+        self._failed_at: dict[str, float] = {}
+
+    def start_next(self, pending: dict[str, str]) -> None:
+        """Start resyncing the first of ``pending`` (table -> reason) unless one is running."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        now = time.monotonic()
+        ready = [key for key in pending if now - self._failed_at.get(key, -self.RETRY_SECONDS) >= self.RETRY_SECONDS]
+        if not ready:
+            return
+        key = ready[0]
+        self._thread = threading.Thread(target=self._resync, args=(key, pending[key]), name=f"resync {key}")
+        self._thread.start()
+
+    def _resync(self, table_key: str, reason: str) -> None:
+        log.warning("resyncing %s online: %s", table_key, reason)
+        try:
+            with Pipeline(self.config, self._spark_factory) as pipeline:
+                result = pipeline.resync(table_key)
+            self._failed_at.pop(table_key, None)
+            log.warning("resynced %s: %d rows in %.1f s", table_key, result.rows, result.seconds)
+        except Exception:
+            self._failed_at[table_key] = time.monotonic()
+            log.exception("resync of %s failed; trying again in %.0f s", table_key, self.RETRY_SECONDS)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: float) -> None:

@@ -1,7 +1,8 @@
-"""Dagster sensors: the WAL flusher, CTID partition planning, and merge automation."""
+"""Dagster sensors: the WAL flusher, CTID partition planning, merge automation and resyncs."""
 
 from .automation import merge_automation_sensor
 from .flusher import flusher_sensor
+from .resync import resync_sensor
 from .snapshot_planner import snapshot_planner_sensor
 
-__all__ = ["flusher_sensor", "merge_automation_sensor", "snapshot_planner_sensor"]
+__all__ = ["flusher_sensor", "merge_automation_sensor", "resync_sensor", "snapshot_planner_sensor"]

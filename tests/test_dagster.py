@@ -25,6 +25,7 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 
 from assets.tables import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
 from definitions import build_definitions
+from jobs import RESYNC_JOB
 from pg2iceberg_dagster.snapshot.holder import holder_lock_key
 from resources import Pg2IcebergResource, SparkResource
 
@@ -200,3 +201,42 @@ def test_live_table_reported_after_its_chunks_show_materialized(source: SourceDb
         assert isinstance(ticked, SensorResult)
         assert [event.asset_key for event in ticked.asset_events] == [AssetKey(["iceberg", ns, "items"])]
         assert ticked.asset_events[0].metadata["dagster/row_count"].value == 2000
+
+
+def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb, tmp_path: Path) -> None:
+    """A change the WAL cannot follow: the merge run succeeds and says the table waits for a resync;
+    the resync sensor launches the job on the table's partition; its run reports the live table
+    materialized with what the copy did; the next merge's checks all pass against the source."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, code int)")
+    source.execute("INSERT INTO public.items SELECT g, g FROM generate_series(1, 500) g")
+    config_path = _write_config(source, tmp_path, ["public.items"])
+    defs = build_definitions(config_path)
+    live = _assets_def(defs, AssetKey(["iceberg", f"{source.name}_public", "items"]))
+    pipeline = source.pipeline(source.config(["public.items"]))
+    pipeline.snapshot()
+    source.execute("ALTER TABLE public.items ALTER COLUMN code TYPE text USING 'c' || code::text")
+    source.execute("UPDATE public.items SET code = 'changed' WHERE id = 1")
+    pipeline.stream(until_caught_up=True)
+    with instance_for_test() as instance:
+        waiting = materialize([live], instance=instance)
+        assert waiting.success
+        metadata = waiting.asset_materializations_for_node(live.node_def.name)[0].metadata
+        assert "column code changed from int to string" in metadata["resync_pending"].value
+
+        ticked = _tick(defs, "pg2iceberg_resync", instance, config_path)
+        assert isinstance(ticked, SensorResult)
+        assert [request.partition_key for request in ticked.run_requests] == ["public.items"]
+        job = defs.resolve_job_def(RESYNC_JOB)
+        resynced = job.execute_in_process(instance=instance, partition_key="public.items")
+        assert resynced.success
+        event = instance.get_latest_materialization_event(live.key)
+        assert event is not None and event.asset_materialization is not None
+        assert event.asset_materialization.metadata["rows_copied"].value == 500
+        assert not isinstance(_tick(defs, "pg2iceberg_resync", instance, config_path), SensorResult)
+
+        source.execute("INSERT INTO public.items VALUES (501, 'after')")
+        pipeline.stream(until_caught_up=True)
+        merged = materialize([live], instance=instance)
+        checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
+        assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
+    assert_mirrored(pipeline)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from pg2iceberg_dagster.errors import SchemaChangeError
 from pg2iceberg_dagster.materializer import merge
 
 from .conftest import Crash, SourceDb, assert_mirrored, crash_writing_chunks_from, sync
@@ -150,24 +149,3 @@ def test_a_column_dropped_and_added_again_under_its_name_is_a_new_column(source:
     assert_mirrored(pipeline)
     names = pipeline.catalog.load_table(f"{source.name}_public.things").schema().column_names
     assert [n for n in names if n.startswith("v__dropped_")] == ["v__dropped_2"]
-
-
-def test_a_default_whose_older_values_no_record_keeps_is_refused_before_anything_is_written(source: SourceDb) -> None:
-    """A volatile default rewrites the table with values no WAL change carries; a rewrite after a
-    constant default erases the catalog's record of it. The merge refuses, naming the column and the
-    recovery, and writes nothing."""
-    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v text, n int)")
-    source.execute("INSERT INTO public.items SELECT g, 'v', g FROM generate_series(1, 10) g")
-    pipeline = source.pipeline(source.config(["public.items"]))
-    pipeline.snapshot()
-    source.execute("ALTER TABLE public.items ADD COLUMN flag int DEFAULT 7")
-    source.execute("ALTER TABLE public.items ALTER COLUMN n TYPE bigint")  # rewrites: attmissingval is gone
-    source.execute("INSERT INTO public.items VALUES (11, 'after', 1, 1)")
-    pipeline.stream(until_caught_up=True)
-    with pytest.raises(
-        SchemaChangeError, match=r"public\.items: column flag was added with a default.*cleanup --table"
-    ):
-        pipeline.materialize()
-    table = pipeline.catalog.load_table(f"{source.name}_public.items")
-    assert "flag" not in table.schema().column_names
-    assert pipeline.store.mat_cursor("default", "public.items") == 0

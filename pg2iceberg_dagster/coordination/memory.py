@@ -142,6 +142,13 @@ class InMemoryCoordinationStore:
             if table_name in self._tables:
                 self._tables[table_name] = dataclasses.replace(self._tables[table_name], snapshot_complete=True)
 
+    def request_resync(self, table_name: str, reason: str) -> None:
+        """Ask for an online resync of the table (a request already pending keeps its reason)."""
+        with self._lock:
+            state = self._tables.get(table_name)
+            if state is not None and state.resync_reason is None:
+                self._tables[table_name] = dataclasses.replace(state, resync_reason=reason)
+
     # staged log ----------------------------------------------------------------------------------
 
     def register_flush(self, files: Sequence[StagedFile], flushed_lsn: int) -> list[LogEntry]:

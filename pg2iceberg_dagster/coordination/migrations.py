@@ -127,6 +127,16 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.snapshot_progress ADD COLUMN epoch integer;
         """,
     ),
+    (
+        5,
+        """
+        -- An online resync of one table: requested (why, in ``resync_reason``; merges of the table wait
+        -- meanwhile), then copied in ``resync_epoch`` and switched in one Iceberg commit.
+        ALTER TABLE _pg2iceberg.tables ADD COLUMN resync_reason text;
+        ALTER TABLE _pg2iceberg.tables ADD COLUMN resync_epoch integer
+            REFERENCES _pg2iceberg.snapshot_epochs (epoch);
+        """,
+    ),
 ]
 
 

@@ -82,6 +82,10 @@ class StagedLogStore(Protocol):
         """Move ``group``'s cursor forward (only forward) after the Iceberg commit."""
         ...
 
+    def request_resync(self, table_name: str, reason: str) -> None:
+        """Ask for an online resync of the table; its merges wait until the resync switched it."""
+        ...
+
     def writer_lease(self, group: str, table_name: str, worker_id: str) -> AbstractContextManager[None]:
         """Hold the single-writer lease of (``group``, ``table_name``); LeaseBusyError when it is taken."""
         ...

@@ -34,6 +34,15 @@ class TableState:
     snapshot_lsn: int | None
     # The snapshot epoch the table's rows were read in (None: not planned in any epoch yet).
     snapshot_epoch: int | None = None
+    # Set while an online resync is requested or running (why): merges of the table wait for it.
+    resync_reason: str | None = None
+    # The epoch the running resync copies the table in (None before its copy started).
+    resync_epoch: int | None = None
+
+    @property
+    def mergeable(self) -> bool:
+        """The table's rows are in Iceberg and no resync is replacing them."""
+        return self.snapshot_complete and self.resync_reason is None
 
 
 @dataclass(frozen=True)
@@ -228,10 +237,10 @@ class CoordinationStore:
 
     def table_states(self) -> dict[str, TableState]:
         return {
-            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), row[5])
+            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), *row[5:])
             for row in self.conn.execute(
                 "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text, "
-                "snapshot_epoch FROM _pg2iceberg.tables"
+                "snapshot_epoch, resync_reason, resync_epoch FROM _pg2iceberg.tables"
             )
         }
 
@@ -297,6 +306,27 @@ class CoordinationStore:
             "UPDATE _pg2iceberg.tables SET snapshot_complete = true, snapshot_completed_at = now() "
             "WHERE table_name = %s AND NOT snapshot_complete",
             (table_name,),
+        )
+
+    def request_resync(self, table_name: str, reason: str) -> None:
+        """Ask for an online resync of the table (a request already pending keeps its reason).
+        Callers hold the table's writer lease, so no merge runs past this point."""
+        self.conn.execute(
+            "UPDATE _pg2iceberg.tables SET resync_reason = coalesce(resync_reason, %s) WHERE table_name = %s",
+            (reason, table_name),
+        )
+
+    def start_resync_copy(self, table_name: str, epoch: int) -> None:
+        """The resync copies the table in ``epoch`` (a copy in an earlier epoch is abandoned)."""
+        self.conn.execute("UPDATE _pg2iceberg.tables SET resync_epoch = %s WHERE table_name = %s", (epoch, table_name))
+
+    def finish_resync(self, table_name: str, epoch: int) -> None:
+        """The table's rows are now the resync's copy, read in ``epoch``: merges resume from the
+        cursor, skipping what that epoch's snapshot shows."""
+        self.conn.execute(
+            "UPDATE _pg2iceberg.tables SET snapshot_epoch = %s, resync_reason = NULL, resync_epoch = NULL "
+            "WHERE table_name = %s",
+            (epoch, table_name),
         )
 
     @contextlib.contextmanager

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pyiceberg.schema import Schema
-from pyiceberg.table import Table
+from pyiceberg.table import Table, Transaction
 from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
 
-from ..errors import SchemaChangeError, UnsupportedTypeError
+from ..errors import ResyncRequiredError
 from ..source.catalog import SourceColumn
 from .types import field_ids, iceberg_type
 
@@ -135,6 +135,10 @@ class _Plan:
     renames: dict[int, str] = field(default_factory=dict)  # field id -> new name
     additions: list[tuple[SourceColumn, IcebergType]] = field(default_factory=list)
     widenings: list[tuple[int, IcebergType]] = field(default_factory=list)
+    # A rebuild only (see rebuild_schema): fields whose type changed incompatibly (a new field of the
+    # same name replaces each) and fields of columns gone from the source.
+    replaced: list[int] = field(default_factory=list)
+    deleted: list[int] = field(default_factory=list)
     adopted: dict[int, int] = field(default_factory=dict)  # field id -> attnum, newly recorded
     changes: list[str] = field(default_factory=list)
 
@@ -160,20 +164,31 @@ def schema_follows_source(table: Table, columns: Sequence[SourceColumn]) -> list
     return problems
 
 
-def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> _Plan:
+def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn], rebuild: bool = False) -> _Plan:
+    """What evolves the schema to ``columns``. A ``rebuild`` is for rows read again from the source:
+    no older values to fill or refuse, an incompatible type replaces its field, and fields of columns
+    gone from the source are deleted."""
     schema = table.schema()
     attnums = column_attnums(table)
     live = {column.attnum for column in columns if column.attnum is not None}
     plan = _Plan()
     element_ids = field_ids(10_000)  # only the types are compared; pyiceberg assigns real ids
+    matched: set[int] = set()
     for column in columns:
         wanted = iceberg_type(column.type, column.name, element_ids)
         current = field_for(schema, attnums, column)
+        if current is not None and rebuild and column_fit(current.field_type, wanted) == "incompatible":
+            plan.replaced.append(current.field_id)
+            plan.changes.append(f"replace {current.name} {current.field_type} -> {column.name} {wanted}")
+            current = None
         if current is None:
-            _refuse_unknown_older_values(table_key, column)
+            if not rebuild:
+                _refuse_unknown_older_values(table_key, column)
             plan.additions.append((column, wanted))
             default = f" (older rows: {column.missing})" if column.missing is not None else ""
             plan.changes.append(f"add column {column.name} {wanted}{default}")
+            if rebuild:
+                continue
             holder = schema.find_field(column.name) if column.name in schema.column_names else None
             owner = attnums.get(holder.field_id) if holder is not None else None
             if holder is not None and owner not in live:
@@ -181,6 +196,7 @@ def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> _Pla
                 plan.renames[holder.field_id] = f"{column.name}__dropped_{owner}"
                 plan.changes.append(f"rename {column.name} -> {column.name}__dropped_{owner} (dropped at the source)")
             continue
+        matched.add(current.field_id)
         if column.attnum is not None and current.field_id not in attnums:
             plan.adopted[current.field_id] = column.attnum
         if current.name != column.name:
@@ -191,10 +207,14 @@ def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> _Pla
             plan.widenings.append((current.field_id, wanted))
             plan.changes.append(f"widen {column.name} {current.field_type} -> {wanted}")
         elif fit == "incompatible":
-            raise UnsupportedTypeError(
-                f"{table.name()}: column {column.name} changed from {current.field_type} to {wanted} at the source; "
-                "only widening changes (int->bigint, real->double, numeric precision up, varchar->text) are replicated"
+            raise ResyncRequiredError(
+                table_key,
+                f"column {column.name} changed from {current.field_type} to {wanted} at the source, which Iceberg "
+                "cannot evolve into (only int->bigint, real->double, numeric precision up, varchar->text are)",
             )
+    if rebuild:
+        plan.deleted = [f.field_id for f in schema.fields if f.field_id not in {*matched, *plan.replaced}]
+        plan.changes += [f"drop {schema.find_column_name(i)} (gone from the source)" for i in plan.deleted]
     return plan
 
 
@@ -203,12 +223,11 @@ def _refuse_unknown_older_values(table_key: str, column: SourceColumn) -> None:
     WAL change carried (a volatile default rewrites the table; any rewrite since the ALTER, such as
     ``ALTER COLUMN ... TYPE`` or ``VACUUM FULL``, clears the catalog's record of a constant one)."""
     if column.has_default and column.missing is None:
-        raise SchemaChangeError(
-            f"{table_key}: column {column.name} was added with a default that the table's older rows hold "
-            "without any WAL change, and the catalog no longer says which (a volatile default, or the table was "
-            "rewritten since the ALTER). Nothing was written. Snapshot the table again: pg2iceberg-dagster cleanup "
-            f"--table {table_key}, then snapshot. (If the column was added without a default and got one later, the "
-            "same recovery applies.)"
+        raise ResyncRequiredError(
+            table_key,
+            f"column {column.name} was added with a default that the table's older rows hold without any WAL "
+            "change, and the catalog no longer says which (a volatile default, the table was rewritten since "
+            "the ALTER, or the column got its default after it was added)",
         )
 
 
@@ -229,27 +248,54 @@ def evolve_schema(table: Table, table_key: str, columns: Sequence[SourceColumn])
         with table.update_schema() as update:
             for field_id in plan.renames:
                 update.rename_column(schema.find_column_name(field_id), f"__pg2iceberg_renaming_{field_id}")
-    attnums = column_attnums(table)
-    fills = _json_property(table, PENDING_FILLS)
     with table.transaction() as transaction:
-        with transaction.update_schema() as update:
-            current = transaction.table_metadata.schema()
-            for field_id, name in plan.renames.items():
-                update.rename_column(current.find_column_name(field_id), name)
-            for field_id, wanted in plan.widenings:
-                update.update_column(current.find_column_name(field_id), field_type=wanted)
-            for column, wanted in plan.additions:
-                update.add_column(column.name, wanted)
-        evolved = transaction.table_metadata.schema()
-        attnums.update(plan.adopted)
-        for column, _ in plan.additions:
-            field_id = evolved.find_field(column.name).field_id
-            if column.attnum is not None:
-                attnums[field_id] = column.attnum
-            if column.missing is not None:
-                fills[str(field_id)] = column.to_json()
-        transaction.set_properties({**_attnums_property(attnums), PENDING_FILLS: json.dumps(fills, sort_keys=True)})
+        _apply_plan(transaction, table, plan, fills=_json_property(table, PENDING_FILLS))
     return plan.changes
+
+
+def _apply_plan(
+    transaction: Transaction, table: Table, plan: _Plan, fills: dict[str, Any], key: Sequence[str] = ()
+) -> None:
+    """Stage ``plan`` in ``transaction``: the schema change (with ``key`` as the identifier fields when
+    given) and the attnum and pending-fill records."""
+    attnums = column_attnums(table)
+    # A key column a rebuild adds anew must be required (identifier fields are); its rows are all new.
+    with transaction.update_schema(allow_incompatible_changes=bool(key)) as update:
+        current = transaction.table_metadata.schema()
+        for field_id in [*plan.replaced, *plan.deleted]:
+            update.delete_column(current.find_column_name(field_id))
+            attnums.pop(field_id, None)
+            fills.pop(str(field_id), None)
+        for field_id, name in plan.renames.items():
+            update.rename_column(current.find_column_name(field_id), name)
+        for field_id, wanted in plan.widenings:
+            update.update_column(current.find_column_name(field_id), field_type=wanted)
+        for column, wanted in plan.additions:
+            update.add_column(column.name, wanted, required=column.name in key)
+        if key:
+            update.set_identifier_fields(*key)
+    evolved = transaction.table_metadata.schema()
+    attnums.update(plan.adopted)
+    for column, _ in plan.additions:
+        field_id = evolved.find_field(column.name).field_id
+        if column.attnum is not None:
+            attnums[field_id] = column.attnum
+        if column.missing is not None:
+            fills[str(field_id)] = column.to_json()
+    transaction.set_properties({**_attnums_property(attnums), PENDING_FILLS: json.dumps(fills, sort_keys=True)})
+
+
+def rebuild_schema(
+    table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str]
+) -> tuple[Transaction, list[str]]:
+    """An open transaction bringing the schema to ``columns`` for rows read again from the source (see
+    :func:`_plan`), with ``key`` as the identifier fields and no pending fill, and what it changes;
+    nothing is committed. Files written with its metadata carry the new field ids: they are added to
+    it, then it commits."""
+    plan = _plan(table, table_key, columns, rebuild=True)
+    transaction = table.transaction()
+    _apply_plan(transaction, table, plan, fills={}, key=key)
+    return transaction, plan.changes
 
 
 def without_pending_fills(table: Table, done: Sequence[int] | None = None) -> dict[str, str]:

@@ -26,6 +26,7 @@ from pyiceberg.table import Table
 from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.store import Lag, LogEntry, SnapshotEpoch
+from ..errors import ResyncRequiredError
 from ..faults import crash_point
 from ..iceberg.catalog import table_identifier
 from ..iceberg.evolution import clear_pending_fills, evolve_schema, pending_fills
@@ -57,6 +58,8 @@ class MergeResult:
     last_lsn: int | None = None
     snapshot_id: int | None = None
     waiting_for_snapshot: bool = False
+    # Why the table waits for an online resync (requested before or by this merge), else None.
+    resync_reason: str | None = None
     seconds: float = 0.0
     # Seconds per phase (see PHASES), summed over the batches: where a merge spends its time.
     timings: dict[str, float] = field(default_factory=dict)
@@ -140,9 +143,7 @@ class Materializer:
         """
         started = time.monotonic()
         result = MergeResult(table=table_key, lag=self.store.lag(self.group, table_key))
-        state = self.store.table_state(table_key)
-        if state is None or not state.snapshot_complete:
-            result.waiting_for_snapshot = True
+        if not self._mergeable(table_key, result):
             return result
         # A batch fills what its table has pending; with no batch to merge, only a snapshot can have
         # left fills (once per process and table, so an idle table costs no catalog read).
@@ -150,23 +151,46 @@ class Materializer:
         if result.lag.changes <= 0 and unfilled is None:
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
+            # A resync requested since the look above: nothing may be merged past its request.
+            if not self._mergeable(table_key, result):
+                return result
             self._start_spark(table_key, result.timings)
             if unfilled is not None:
                 self._fill_pending(table_key, unfilled, result.timings)
-            for _ in range(rounds):
-                head = self.store.log_head(table_key)
-                while max_batches is None or result.batches < max_batches:
-                    cursor = self.store.mat_cursor(self.group, table_key)
-                    if cursor >= head:
-                        break
-                    entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
-                    if not entries:
-                        break
-                    self._apply_batch(table_key, cursor, entries, result, self.replay_epoch(table_key))
-                    result.batches += 1
+            try:
+                self._apply_rounds(table_key, rounds, max_batches, result)
+            except ResyncRequiredError as exc:
+                if not self.config.materialize.auto_resync:
+                    raise
+                # Under the lease: the cursor stays before the batch that found it.
+                self.store.request_resync(table_key, exc.reason)
+                result.resync_reason = exc.reason
         result.lag = self.store.lag(self.group, table_key)
         result.seconds = time.monotonic() - started
         return result
+
+    def _mergeable(self, table_key: str, result: MergeResult) -> bool:
+        """The table's snapshot is complete and no resync is pending (else ``result`` says which)."""
+        state = self.store.table_state(table_key)
+        if state is None or not state.snapshot_complete:
+            result.waiting_for_snapshot = True
+            return False
+        result.resync_reason = state.resync_reason
+        return state.mergeable
+
+    def _apply_rounds(self, table_key: str, rounds: int, max_batches: int | None, result: MergeResult) -> None:
+        """Apply batches up to the head, ``rounds`` times (see :meth:`materialize_table`)."""
+        for _ in range(rounds):
+            head = self.store.log_head(table_key)
+            while max_batches is None or result.batches < max_batches:
+                cursor = self.store.mat_cursor(self.group, table_key)
+                if cursor >= head:
+                    break
+                entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
+                if not entries:
+                    break
+                self._apply_batch(table_key, cursor, entries, result, self.replay_epoch(table_key))
+                result.batches += 1
 
     def _table_with_fills_left(self, table_key: str) -> Table | None:
         """The Iceberg table when a snapshot left defaults of added columns to fill, the first time
@@ -220,6 +244,10 @@ class Materializer:
                 changes = changes.slice(max(0, cursor - entry.start_offset))
                 if visible is not None and replay_epoch is not None and entry.first_lsn < replay_epoch.lsn_bound:
                     changes = changes.filter(pc.invert(visible.visible(changes.column("_xid"))))
+                    if changes.num_rows == 0:
+                        # All in the snapshot: its relation (maybe older than the table's rebuilt
+                        # schema, after a resync) must not steer the evolution.
+                        continue
                 staged.append((relation, changes))
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.

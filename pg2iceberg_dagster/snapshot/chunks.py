@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 from psycopg import sql
 from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.io import FileIO
 from pyiceberg.io.pyarrow import _dataframe_to_data_files  # pyiceberg is pinned; append() writes with it too
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
 
 from ..config import OutOfRange
 from ..coordination.store import Chunk
@@ -91,15 +93,16 @@ class WrittenChunk:
     files: tuple[DataFile, ...] = ()
 
 
-def write_chunk(table: Table, chunk: Chunk, rows: pa.Table) -> WrittenChunk:
-    """Write a chunk's rows as data files of ``table`` (in no snapshot until :func:`commit_chunks`).
+def write_chunk(metadata: TableMetadata, io: FileIO, chunk: Chunk, rows: pa.Table) -> WrittenChunk:
+    """Write a chunk's rows as data files of the table ``metadata`` describes (in no snapshot until
+    :func:`commit_chunks`, or a resync's switch, adds them).
 
     Writing files apart from committing lets the chunk's memory go as soon as it is encoded, and
     lets one commit take every chunk written meanwhile.
     """
     if rows.num_rows == 0:
         return WrittenChunk(chunk, 0)
-    files = tuple(_dataframe_to_data_files(table_metadata=table.metadata, df=rows, io=table.io))
+    files = tuple(_dataframe_to_data_files(table_metadata=metadata, df=rows, io=io))
     return WrittenChunk(chunk, rows.num_rows, files=files)
 
 

@@ -179,7 +179,8 @@ class SnapshotRunner:
 
     def write_chunk(self, table: SourceTable, chunk: Chunk, rows: pa.Table) -> WrittenChunk:
         """Write a chunk's data files (nothing is committed yet)."""
-        return write_chunk(self._iceberg_table(table), chunk, rows)
+        iceberg = self._iceberg_table(table)
+        return write_chunk(iceberg.metadata, iceberg.io, chunk, rows)
 
     def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk], epoch: int) -> list[tuple[Chunk, int]]:
         """Commit written chunks of one table to Iceberg in one commit, then record each as done;

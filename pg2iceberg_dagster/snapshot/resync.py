@@ -1,0 +1,187 @@
+"""An online resync of one table: a fresh consistent copy while every other table keeps streaming,
+switched in one Iceberg commit.
+
+For what the WAL cannot follow (a type Iceberg cannot evolve into, a rewrite that changed older rows
+with no WAL change). Four steps, each safe to crash in:
+
+1. **Request** (``tables.resync_reason``, set under the table's writer lease): merges of the table
+   wait from then on; its changes keep staging, and readers keep seeing the table as it was.
+2. **Copy**: a new exported snapshot (a new epoch, recorded before anything is read), CTID chunks
+   read in parallel under it, their data files written for the *rebuilt* schema (the source's
+   columns as they are now) and held by this process: nothing is committed.
+3. **Switch**: one Iceberg commit holds the new schema, the deletion of every old data file and the
+   copy's files (its summary names the epoch). A reader sees the old table or the new one.
+4. **Finish**: the table's epoch becomes the copy's, and merges resume from their cursor, skipping
+   the transactions that snapshot shows (as after the initial snapshot).
+
+A crash before the switch leaves the copy's files unreferenced (orphans) and the next resync starts
+over in a new epoch; a crash between switch and finish is recognised by the epoch in the summary.
+Every change at or below the cursor was merged before the request, so the copy's snapshot, taken
+after it, shows it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.io import FileIO
+from pyiceberg.table import Table, Transaction
+
+from ..config import PipelineConfig
+from ..coordination.store import Chunk, CoordinationStore
+from ..errors import LeaseBusyError, Pg2IcebergError
+from ..faults import crash_point
+from ..iceberg.catalog import snapshot_summaries, table_identifier
+from ..iceberg.evolution import rebuild_schema
+from ..iceberg.types import arrow_schema
+from ..source.catalog import SourceTable, table_pages
+from ..source.connection import connect
+from .chunks import WrittenChunk, plan_chunks, read_chunk, write_chunk
+from .holder import SnapshotHolder
+from .reader import ArrowReader
+from .stages import ChunkStages
+
+RESYNC_EPOCH = "pg2iceberg.resync-epoch"  # in the switch commit's summary: the epoch of its copy
+CHUNKS_IN_MEMORY_PER_WORKER = 4
+LEASE_WAIT_SECONDS = 600.0
+
+
+@dataclass
+class ResyncResult:
+    """What one resync did (also the Dagster metadata)."""
+
+    table: str
+    reason: str = ""
+    epoch: int | None = None
+    rows: int = 0
+    chunks: int = 0
+    schema_changes: tuple[str, ...] = ()
+    snapshot_id: int | None = None
+    seconds: float = 0.0
+
+
+def request_resync(store: CoordinationStore, group: str, table_key: str, reason: str, worker_id: str) -> None:
+    """Step 1: record the request under the table's writer lease, waiting for a merge in progress to
+    end (a merge that already holds the lease must not run past the request)."""
+    deadline = time.monotonic() + LEASE_WAIT_SECONDS
+    while True:
+        try:
+            with store.writer_lease(group, table_key, worker_id):
+                store.request_resync(table_key, reason)
+                return
+        except LeaseBusyError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _switched_in(table: Table, epoch: int) -> bool:
+    """The switch commit of a copy read in ``epoch`` landed."""
+    return any(summary.get(RESYNC_EPOCH) == str(epoch) for summary in snapshot_summaries(table))
+
+
+def resync_table(
+    config: PipelineConfig,
+    store: CoordinationStore,
+    catalog: Catalog,
+    source: SourceTable,
+    worker_id: str,
+    reason: str = "requested",
+    on_chunk: Callable[[Chunk, int], None] | None = None,
+) -> ResyncResult:
+    """Resync ``source`` (described as it is now) online; see the module docstring. A resync already
+    requested (by the materializer) or interrupted is carried out; else one is requested first."""
+    started = time.monotonic()
+    key = source.key
+    state = store.table_state(key)
+    if state is None or not state.snapshot_complete:
+        raise Pg2IcebergError(
+            f"{key}: its initial snapshot is not complete, so there is nothing to resync; run the snapshot"
+        )
+    if state.resync_reason is None:
+        request_resync(store, config.materialize.group, key, reason, worker_id)
+    result = ResyncResult(key, reason=state.resync_reason or reason)
+    identifier = table_identifier(config, key)
+    table = catalog.load_table(identifier)
+    if state.resync_epoch is not None and _switched_in(table, state.resync_epoch):
+        store.finish_resync(key, state.resync_epoch)  # switched just before a crash
+        result.epoch = state.resync_epoch
+        return result
+    with SnapshotHolder(config, store, create_slot=False) as holder:
+        result.epoch = holder.advertised.epoch
+        store.start_resync_copy(key, result.epoch)
+        transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key)
+        result.schema_changes = tuple(changes)
+        written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk)
+    crash_point("resync.before_switch")
+    result.rows, result.chunks = sum(w.rows for w in written), len(written)
+    result.snapshot_id = _switch(transaction, written, result.epoch, key)
+    crash_point("resync.after_switch")
+    store.finish_resync(key, result.epoch)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _copy(
+    config: PipelineConfig,
+    source: SourceTable,
+    transaction: Transaction,
+    io: FileIO,
+    snapshot_name: str,
+    on_chunk: Callable[[Chunk, int], None] | None,
+) -> list[WrittenChunk]:
+    """Step 2: read every chunk of the table under ``snapshot_name`` and write it as data files of the
+    rebuilt schema; returns them, committed nowhere."""
+    metadata = transaction.table_metadata
+    schema = arrow_schema(metadata.schema())
+    with connect(config.source) as conn:
+        pages = table_pages(conn, source.oid)
+        version = conn.info.server_version
+    chunks = plan_chunks(source.key, pages, config.snapshot.chunk_pages, version)
+    written: list[WrittenChunk] = []
+
+    def keep(_table: SourceTable, batch: list[WrittenChunk]) -> list[tuple[Chunk, int]]:
+        written.extend(batch)
+        return [(w.chunk, w.rows) for w in batch]
+
+    rule = config.values.out_of_range
+    parallelism = config.snapshot.parallelism
+    with ArrowReader(config.source) as reader:
+        stages = ChunkStages(
+            read=lambda table, chunk: read_chunk(reader, table, chunk, schema, snapshot_name, rule),
+            write=lambda _table, chunk, rows: write_chunk(metadata, io, chunk, rows),
+            commit=keep,
+            parallelism=parallelism,
+            in_memory=CHUNKS_IN_MEMORY_PER_WORKER * parallelism,
+            min_commit_interval=0.0,
+        )
+        for chunk, rows in stages.run([(source, chunk) for chunk in chunks]):
+            if on_chunk:
+                on_chunk(chunk, rows)
+    return written
+
+
+def _switch(transaction: Transaction, written: list[WrittenChunk], epoch: int, key: str) -> int | None:
+    """Step 3: one commit with the rebuilt schema, no old row, and the copy's files."""
+    properties = {RESYNC_EPOCH: str(epoch)}
+    if transaction.table_metadata.current_snapshot() is not None:
+        transaction.delete(AlwaysTrue(), snapshot_properties=properties)
+    files = [data_file for w in written for data_file in w.files]
+    if files:
+        with transaction.update_snapshot(snapshot_properties=properties).fast_append() as append:
+            for data_file in files:
+                append.append_data_file(data_file)
+    try:
+        table = transaction.commit_transaction()
+    except CommitFailedException as exc:
+        raise Pg2IcebergError(
+            f"{key}: the Iceberg table changed while it was resynced ({exc}); nothing was switched. Run "
+            f"`pg2iceberg-dagster resync --table {key}` again"
+        ) from None
+    snapshot = table.current_snapshot()
+    return snapshot.snapshot_id if snapshot else None

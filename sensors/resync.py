@@ -1,0 +1,52 @@
+"""Launches the resync job for each table a merge found a change the WAL cannot follow in (one run
+per table at a time)."""
+
+from dagster import (
+    DagsterRunStatus,
+    DefaultSensorStatus,
+    RunRequest,
+    RunsFilter,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+
+from jobs import RESYNC_JOB
+from resources import Pg2IcebergResource
+
+_UNFINISHED = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+]
+
+
+def resync_sensor(job) -> SensorDefinition:  # type: ignore[no-untyped-def]  # dagster's JobDefinition
+    @sensor(
+        name="pg2iceberg_resync",
+        job=job,
+        minimum_interval_seconds=15,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Resyncs a table online when its merge found a change the WAL cannot follow "
+        "(a type Iceberg cannot evolve into, a rewrite that changed older rows).",
+    )
+    def _resync(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
+        with pg2iceberg.pipeline() as pipeline:
+            pending = pipeline.resyncs_pending()
+        runs = []
+        for table_key, reason in pending.items():
+            running = context.instance.get_runs(
+                filters=RunsFilter(job_name=RESYNC_JOB, statuses=_UNFINISHED, tags={"dagster/partition": table_key}),
+                limit=1,
+            )
+            if not running:
+                context.log.info("resync %s: %s", table_key, reason)
+                runs.append(RunRequest(partition_key=table_key, tags={"pg2iceberg/resync_reason": reason[:200]}))
+        if not runs:
+            return SkipReason("no table waits for a resync" if not pending else "its resync is running")
+        return SensorResult(run_requests=runs)
+
+    return _resync
