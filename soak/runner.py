@@ -47,6 +47,7 @@ STREAM_FAULTS = [
     "kill",
 ]
 MATERIALIZE_FAULT = "materializer.after_commit"
+RESYNC_FAULTS = ["resync.before_switch", "resync.after_switch", "kill"]
 
 
 @dataclass
@@ -274,7 +275,24 @@ class Scenario:
             code = child.stop() if child.alive() else child.wait()
             self._record_death(fault, code)
             if self.rng.random() < 0.5:
-                self._pipeline_call(lambda p: p.materialize())  # a merge while the log keeps growing
+                self._pipeline_call(self._merge)  # a merge while the log keeps growing
+
+    def _merge(self, pipeline: Pipeline) -> None:
+        """Merge every table; resync those a merge found the WAL cannot follow (in a child that may die
+        first, as ``run`` or a Dagster run could), then merge them."""
+        pipeline.materialize()
+        if not pipeline.resyncs_pending():
+            return
+        if self.rng.random() < 0.5:
+            fault = self.rng.choice(RESYNC_FAULTS)
+            child = self._child(["resync"], None if fault == "kill" else fault)
+            if fault == "kill":
+                time.sleep(self.rng.uniform(0.5, 3.0))
+                child.kill()
+            self._record_death(fault, child.wait(600))
+        for table_key in pipeline.resyncs_pending():
+            pipeline.resync(table_key)
+        pipeline.materialize()
 
     def _pipeline_call(self, action: Any) -> Any:
         assert self.config_path is not None
@@ -290,7 +308,7 @@ class Scenario:
 
         def catch_up_and_verify(pipeline: Pipeline) -> None:
             pipeline.stream(until_caught_up=True)
-            pipeline.materialize()
+            self._merge(pipeline)
             collect_garbage(pipeline.config, pipeline.store)
             self.result.divergences.extend(divergences_of(pipeline.verify()))
 
