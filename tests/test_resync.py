@@ -166,3 +166,25 @@ def test_run_resyncs_on_its_own_and_keeps_merging_the_other_tables(source: Sourc
         runner.join()
     assert not errors
     assert_mirrored(pipeline)
+
+
+def test_a_widening_by_rewrite_is_resynced_and_one_without_is_followed(source: SourceDb) -> None:
+    """``TYPE bigint USING n * 2`` keeps a type Iceberg widens to, but its rewrite changed every value
+    with no WAL change: seen with a new relfilenode, it is resynced. A widening PostgreSQL does
+    without a rewrite (numeric precision up) is followed in place."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, n int, price numeric(8, 2))")
+    source.execute("INSERT INTO public.items SELECT g, g, g / 4.0 FROM generate_series(1, 50) g")
+    pipeline = source.pipeline(source.config(["public.items"]))
+    pipeline.snapshot()
+    source.execute("ALTER TABLE public.items ALTER COLUMN price TYPE numeric(12, 2)")
+    source.execute("UPDATE public.items SET price = 1234567890.12 WHERE id = 1")
+    sync(pipeline)
+    assert pipeline.resyncs_pending() == {}
+    assert_mirrored(pipeline)
+    source.execute("ALTER TABLE public.items ALTER COLUMN n TYPE bigint USING n * 2")
+    source.execute("UPDATE public.items SET price = 1 WHERE id = 2")
+    sync(pipeline)
+    assert "column n changed type with a rewrite" in pipeline.resyncs_pending()["public.items"]
+    pipeline.resync("public.items")
+    sync(pipeline)
+    assert_mirrored(pipeline)

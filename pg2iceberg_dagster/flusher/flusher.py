@@ -19,7 +19,7 @@ from ..coordination.protocol import StagedLogStore
 from ..coordination.store import StagedFile
 from ..faults import crash_point
 from ..source import pgoutput
-from ..source.catalog import SourceTable, TypeResolver, identify_columns, source_column, table_attributes
+from ..source.catalog import SourceTable, TypeResolver, file_node, identify_columns, source_column, table_attributes
 from ..source.connection import connect
 from ..source.lsn import current_wal_lsn
 from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
@@ -292,7 +292,7 @@ class Flusher:
         )
         return RelationInfo(
             table=table,
-            relation=StagedRelation(table=table.key, columns=columns),
+            relation=StagedRelation(table.key, columns, file_node(self._catalog_conn, relation.oid)),
             positions={column.name: index for index, column in enumerate(relation.columns)},
             key=key,
         )

@@ -29,6 +29,14 @@ from .types import field_ids, iceberg_type
 
 COLUMN_ATTNUMS = "pg2iceberg.column-attnums"
 PENDING_FILLS = "pg2iceberg.pending-fills"
+# The source table's relfilenode as the snapshot (or resync) the rows were read in saw it. Only a
+# rewrite changes it: a type change seen with another one may have changed values (``USING``).
+SOURCE_FILE_NODE = "pg2iceberg.source-relfilenode"
+
+
+def file_node_property(node: int | None) -> dict[str, str]:
+    """The table property recording the source's relfilenode the rows were read with."""
+    return {SOURCE_FILE_NODE: str(node)} if node is not None else {}
 
 
 _WIDENINGS: dict[type[IcebergType], tuple[type[IcebergType], ...]] = {
@@ -164,10 +172,12 @@ def schema_follows_source(table: Table, columns: Sequence[SourceColumn]) -> list
     return problems
 
 
-def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn], rebuild: bool = False) -> _Plan:
-    """What evolves the schema to ``columns``. A ``rebuild`` is for rows read again from the source:
-    no older values to fill or refuse, an incompatible type replaces its field, and fields of columns
-    gone from the source are deleted."""
+def _plan(
+    table: Table, table_key: str, columns: Sequence[SourceColumn], rebuild: bool = False, file_node: int | None = None
+) -> _Plan:
+    """What evolves the schema to ``columns`` (read with the source at ``file_node``). A ``rebuild`` is
+    for rows read again from the source: no older values to fill or refuse, an incompatible type
+    replaces its field, and fields of columns gone from the source are deleted."""
     schema = table.schema()
     attnums = column_attnums(table)
     live = {column.attnum for column in columns if column.attnum is not None}
@@ -212,6 +222,16 @@ def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn], rebuild
                 f"column {column.name} changed from {current.field_type} to {wanted} at the source, which Iceberg "
                 "cannot evolve into (only int->bigint, real->double, numeric precision up, varchar->text are)",
             )
+    recorded = table.properties.get(SOURCE_FILE_NODE)
+    if plan.widenings and not rebuild and file_node is not None and recorded and int(recorded) != file_node:
+        # PostgreSQL rewrites the table for int->bigint and real->double, and for any USING: values may
+        # have changed with no WAL change, and nothing tells which.
+        column = schema.find_column_name(plan.widenings[0][0])
+        raise ResyncRequiredError(
+            table_key,
+            f"column {column} changed type with a rewrite of the table, whose USING expression may have changed "
+            "its values without any WAL change",
+        )
     if rebuild:
         plan.deleted = [f.field_id for f in schema.fields if f.field_id not in {*matched, *plan.replaced}]
         plan.changes += [f"drop {schema.find_column_name(i)} (gone from the source)" for i in plan.deleted]
@@ -231,13 +251,16 @@ def _refuse_unknown_older_values(table_key: str, column: SourceColumn) -> None:
         )
 
 
-def evolve_schema(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> list[str]:
+def evolve_schema(
+    table: Table, table_key: str, columns: Sequence[SourceColumn], file_node: int | None = None
+) -> list[str]:
     """Bring the Iceberg schema up to the source ``columns`` (the newest description of the table):
     renames by column identity, new columns (with a pending fill when added with a DEFAULT), safe
     widenings. Columns dropped at the source stay in Iceberg (they keep their history and read null
     from then on). A narrowed column keeps its wider Iceberg type; any other change of type is
-    refused (see :func:`column_fit`). Returns what changed."""
-    plan = _plan(table, table_key, columns)
+    refused (see :func:`column_fit`), and so is a widening seen with a ``file_node`` other than the
+    one the rows were read with (a rewrite). Returns what changed."""
+    plan = _plan(table, table_key, columns, file_node=file_node)
     if not plan.changes and not plan.adopted:
         return []
     schema = table.schema()
@@ -286,15 +309,16 @@ def _apply_plan(
 
 
 def rebuild_schema(
-    table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str]
+    table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str], file_node: int | None
 ) -> tuple[Transaction, list[str]]:
-    """An open transaction bringing the schema to ``columns`` for rows read again from the source (see
-    :func:`_plan`), with ``key`` as the identifier fields and no pending fill, and what it changes;
-    nothing is committed. Files written with its metadata carry the new field ids: they are added to
-    it, then it commits."""
+    """An open transaction bringing the schema to ``columns`` for rows read again from the source at
+    ``file_node`` (see :func:`_plan`), with ``key`` as the identifier fields and no pending fill, and
+    what it changes; nothing is committed. Files written with its metadata carry the new field ids:
+    they are added to it, then it commits."""
     plan = _plan(table, table_key, columns, rebuild=True)
     transaction = table.transaction()
     _apply_plan(transaction, table, plan, fills={}, key=key)
+    transaction.set_properties(file_node_property(file_node))
     return transaction, plan.changes
 
 

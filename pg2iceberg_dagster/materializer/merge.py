@@ -251,7 +251,8 @@ class Materializer:
                 staged.append((relation, changes))
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.
-            schema_changes = evolve_schema(table, table_key, staged[-1][0].columns) if staged else []
+            newest = staged[-1][0] if staged else None
+            schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]

@@ -18,7 +18,7 @@ from pyiceberg.table.metadata import TableMetadata
 from ..config import OutOfRange
 from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
-from ..iceberg.evolution import without_pending_fills
+from ..iceberg.evolution import file_node_property, without_pending_fills
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceTable
 from .reader import ArrowReader, conform, select_expressions
@@ -135,16 +135,17 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
     return commit_with_retry(commit)
 
 
-def empty_for_epoch(table: Table, epoch: int) -> None:
-    """Delete every row of ``table`` before its snapshot starts again in ``epoch``. Defaults of added
-    columns pending for the deleted rows go with them: every row is read again with its columns."""
+def empty_for_epoch(table: Table, epoch: int, file_node: int | None) -> None:
+    """Delete every row of ``table`` before its snapshot starts (again) in ``epoch``, whose snapshot
+    sees the source at ``file_node``. Defaults of added columns pending for the deleted rows go with
+    them: every row is read again with its columns."""
 
     def commit() -> None:
         table.refresh()
-        if table.current_snapshot() is not None:
-            with table.transaction() as transaction:
+        with table.transaction() as transaction:
+            if table.current_snapshot() is not None:
                 transaction.delete(AlwaysTrue(), snapshot_properties={RESTART_EPOCH: str(epoch)})
-                transaction.set_properties(without_pending_fills(table))
+            transaction.set_properties({**without_pending_fills(table), **file_node_property(file_node)})
 
     commit_with_retry(commit)
 

@@ -39,7 +39,7 @@ from ..faults import crash_point
 from ..iceberg.catalog import snapshot_summaries, table_identifier
 from ..iceberg.evolution import rebuild_schema
 from ..iceberg.types import arrow_schema
-from ..source.catalog import SourceTable, table_pages
+from ..source.catalog import SourceTable, file_node_seen_by, table_pages
 from ..source.connection import connect
 from .chunks import WrittenChunk, plan_chunks, read_chunk, write_chunk
 from .holder import SnapshotHolder
@@ -115,7 +115,8 @@ def resync_table(
     with SnapshotHolder(config, store, create_slot=False) as holder:
         result.epoch = holder.advertised.epoch
         store.start_resync_copy(key, result.epoch)
-        transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key)
+        node = file_node_seen_by(config.source, source.oid, holder.advertised.name)
+        transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key, node)
         result.schema_changes = tuple(changes)
         written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk)
     crash_point("resync.before_switch")

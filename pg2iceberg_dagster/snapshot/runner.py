@@ -27,7 +27,7 @@ from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
 from ..iceberg.evolution import evolve_schema
-from ..source.catalog import SourceTable, table_pages
+from ..source.catalog import SourceTable, file_node_seen_by, table_pages
 from ..source.connection import connect
 from ..validation import StartupReport
 from .chunks import (
@@ -122,7 +122,7 @@ class SnapshotRunner:
             table.key, table.oid, ".".join(table_identifier(self.config, table.key)), None, planned
         )
 
-    def enter_epoch(self, table: SourceTable, epoch: int) -> tuple[list[Chunk], bool]:
+    def enter_epoch(self, table: SourceTable, snapshot: AdvertisedSnapshot) -> tuple[list[Chunk], bool]:
         """Make ``epoch`` the table's snapshot epoch; returns its chunks and whether it started again.
 
         A table already in ``epoch`` keeps its progress, and a chunk whose Iceberg commit landed just
@@ -130,6 +130,7 @@ class SnapshotRunner:
         is emptied and every chunk is read again: rows read at two moments cannot make one consistent
         table, because a row that moved pages in between can be read twice or not at all.
         """
+        epoch = snapshot.epoch
         self.plan(table)
         iceberg = self._iceberg_table(table)
         restarted = False
@@ -143,7 +144,7 @@ class SnapshotRunner:
                 )
             if state.snapshot_epoch != epoch:
                 restarted = state.snapshot_epoch is not None or any(c.done for c in self.store.chunks(table.key))
-                empty_for_epoch(iceberg, epoch)
+                empty_for_epoch(iceberg, epoch, file_node_seen_by(self.config.source, table.oid, snapshot.name))
                 self.store.restart_table_snapshot(table.key, epoch)
             committed = committed_chunk_markers(iceberg, epoch)
             for chunk in self.store.chunks(table.key):
@@ -217,7 +218,7 @@ class SnapshotRunner:
             result.chunks_skipped, result.epoch, result.complete = len(wanted), state.snapshot_epoch, True
             return result
         with self.holding_snapshot() as snapshot:
-            chunks, result.restarted = self.enter_epoch(table, snapshot.epoch)
+            chunks, result.restarted = self.enter_epoch(table, snapshot)
             by_key = {chunk.partition_key: chunk for chunk in chunks}
             pending = [by_key[key] for key in wanted if not by_key[key].done]
             result.chunks_skipped, result.epoch = len(wanted) - len(pending), snapshot.epoch
@@ -246,7 +247,7 @@ class SnapshotRunner:
         with self.holding_snapshot() as snapshot:
             work: list[tuple[SourceTable, Chunk]] = []
             for table in pending:
-                chunks, restarted = self.enter_epoch(table, snapshot.epoch)
+                chunks, restarted = self.enter_epoch(table, snapshot)
                 result = results[table.key]
                 result.epoch, result.restarted = snapshot.epoch, restarted
                 for chunk in chunks:

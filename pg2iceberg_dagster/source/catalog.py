@@ -9,8 +9,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..config import TableConfig
+from ..config import PostgresConnection, TableConfig
 from ..errors import StartupCheckError
+from .connection import connect
+from .xid_snapshot import imported_snapshot
 
 TEXT_OID = 25
 TEXT_ARRAY_OID = 1009
@@ -292,6 +294,21 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
         primary_key=key,
         replica_identity=replident,
     )
+
+
+def file_node(conn: psycopg.Connection, oid: int) -> int | None:
+    """The table's ``relfilenode``: a new one after every rewrite (``ALTER COLUMN ... TYPE`` with a
+    rewrite, a volatile default, ``VACUUM FULL``, ``CLUSTER``, ``TRUNCATE``). Read inside a transaction
+    on an imported snapshot, it is the one that snapshot sees."""
+    row = conn.execute("SELECT relfilenode FROM pg_catalog.pg_class WHERE oid = %s", (oid,)).fetchone()
+    return int(row[0]) if row and row[0] else None
+
+
+def file_node_seen_by(target: PostgresConnection, oid: int, snapshot_name: str) -> int | None:
+    """The table's relfilenode as the exported snapshot ``snapshot_name`` sees it (rows read under it
+    are from that file)."""
+    with connect(target) as conn, imported_snapshot(conn, snapshot_name):
+        return file_node(conn, oid)
 
 
 def table_pages(conn: psycopg.Connection, oid: int) -> int:

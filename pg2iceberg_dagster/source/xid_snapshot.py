@@ -10,6 +10,8 @@ id, widened here to 64 bits by the epoch nearest the snapshot (every streamed tr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psycopg
@@ -47,11 +49,18 @@ class XidSnapshot:
         return pc.or_(pc.less(full, self.xmin), pc.and_(pc.less(full, self.xmax), pc.invert(running)))
 
 
-def exported_snapshot_text(conn: psycopg.Connection, snapshot_name: str) -> str:
-    """The ``pg_snapshot`` text of an exported snapshot, read by importing it (``conn`` not in a transaction)."""
+@contextmanager
+def imported_snapshot(conn: psycopg.Connection, snapshot_name: str) -> Iterator[None]:
+    """A read-only transaction on ``conn`` (not in one yet) that sees exactly the exported snapshot."""
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
+        yield
+
+
+def exported_snapshot_text(conn: psycopg.Connection, snapshot_name: str) -> str:
+    """The ``pg_snapshot`` text of an exported snapshot, read by importing it (``conn`` not in a transaction)."""
+    with imported_snapshot(conn, snapshot_name):
         row = conn.execute("SELECT pg_catalog.pg_current_snapshot()::text").fetchone()
     assert row is not None
     return str(row[0])

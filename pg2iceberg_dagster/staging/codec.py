@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -56,14 +57,20 @@ class StagedRelation:
 
     table: str
     columns: tuple[SourceColumn, ...]
+    # The table's relfilenode when the flusher read this relation (see source.catalog.file_node).
+    file_node: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"table": self.table, "columns": [c.to_json() for c in self.columns]})
+        data: dict[str, Any] = {"table": self.table, "columns": [c.to_json() for c in self.columns]}
+        if self.file_node is not None:
+            data["file_node"] = self.file_node
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StagedRelation:
         data = json.loads(text)
-        return cls(table=data["table"], columns=tuple(SourceColumn.from_json(c) for c in data["columns"]))
+        columns = tuple(SourceColumn.from_json(c) for c in data["columns"])
+        return cls(table=data["table"], columns=columns, file_node=data.get("file_node"))
 
 
 def join_names(names: Sequence[str]) -> str:
