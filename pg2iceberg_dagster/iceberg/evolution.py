@@ -147,6 +147,7 @@ class _Plan:
     # same name replaces each) and fields of columns gone from the source.
     replaced: list[int] = field(default_factory=list)
     deleted: list[int] = field(default_factory=list)
+    rebuild: bool = False  # every row is read again: no value of an added column is left to fill
     adopted: dict[int, int] = field(default_factory=dict)  # field id -> attnum, newly recorded
     changes: list[str] = field(default_factory=list)
 
@@ -181,7 +182,7 @@ def _plan(
     schema = table.schema()
     attnums = column_attnums(table)
     live = {column.attnum for column in columns if column.attnum is not None}
-    plan = _Plan()
+    plan = _Plan(rebuild=rebuild)
     element_ids = field_ids(10_000)  # only the types are compared; pyiceberg assigns real ids
     matched: set[int] = set()
     for column in columns:
@@ -303,7 +304,7 @@ def _apply_plan(
         field_id = evolved.find_field(column.name).field_id
         if column.attnum is not None:
             attnums[field_id] = column.attnum
-        if column.missing is not None:
+        if column.missing is not None and not plan.rebuild:
             fills[str(field_id)] = column.to_json()
     transaction.set_properties({**_attnums_property(attnums), PENDING_FILLS: json.dumps(fills, sort_keys=True)})
 
