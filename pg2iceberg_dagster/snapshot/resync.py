@@ -43,11 +43,9 @@ from ..source.catalog import SourceTable, file_node_seen_by, table_pages
 from ..source.connection import connect
 from .chunks import WrittenChunk, plan_chunks, read_chunk, write_chunk
 from .holder import SnapshotHolder
-from .reader import ArrowReader
-from .stages import ChunkStages
+from .stages import run_chunks
 
 RESYNC_EPOCH = "pg2iceberg.resync-epoch"  # in the switch commit's summary: the epoch of its copy
-CHUNKS_IN_MEMORY_PER_WORKER = 4
 LEASE_WAIT_SECONDS = 600.0
 
 
@@ -151,19 +149,17 @@ def _copy(
         return [(w.chunk, w.rows) for w in batch]
 
     rule = config.values.out_of_range
-    parallelism = config.snapshot.parallelism
-    with ArrowReader(config.source) as reader:
-        stages = ChunkStages(
-            read=lambda table, chunk: read_chunk(reader, table, chunk, schema, snapshot_name, rule),
-            write=lambda _table, chunk, rows: write_chunk(metadata, io, chunk, rows),
-            commit=keep,
-            parallelism=parallelism,
-            in_memory=CHUNKS_IN_MEMORY_PER_WORKER * parallelism,
-            min_commit_interval=0.0,
-        )
-        for chunk, rows in stages.run([(source, chunk) for chunk in chunks]):
-            if on_chunk:
-                on_chunk(chunk, rows)
+    for chunk, rows in run_chunks(
+        config.source,
+        [(source, chunk) for chunk in chunks],
+        read=lambda reader, table, chunk: read_chunk(reader, table, chunk, schema, snapshot_name, rule),
+        write=lambda _table, chunk, rows: write_chunk(metadata, io, chunk, rows),
+        commit=keep,
+        parallelism=config.snapshot.parallelism,
+        min_commit_interval=0.0,  # nothing is committed: every written chunk is kept at once
+    ):
+        if on_chunk:
+            on_chunk(chunk, rows)
     return written
 
 

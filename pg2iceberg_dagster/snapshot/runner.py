@@ -51,10 +51,9 @@ from .holder import (
     working_on_snapshot,
 )
 from .reader import ArrowReader
-from .stages import ChunkStages
+from .stages import run_chunks
 
 ChunkCallback = Callable[[Chunk, int], None]
-CHUNKS_IN_MEMORY_PER_WORKER = 4
 # While more chunks of a table are coming, its commits are at least this far apart: each commit
 # rewrites the table metadata (~25 ms of CPU, growing with snapshots), and chunks arrive faster.
 MIN_COMMIT_INTERVAL_SECONDS = 1.0
@@ -316,19 +315,17 @@ class SnapshotRunner:
     ) -> None:
         """Run chunks under ``snapshot`` through read, write and commit (see :mod:`.stages`), adding to
         ``results``; the first failure cancels what has not started and is raised."""
-        parallelism = self.config.snapshot.parallelism
-        with ArrowReader(self.config.source) as reader:
-            stages = ChunkStages(
-                read=lambda table, chunk: self.read_chunk(reader, table, chunk, snapshot),
-                write=self.write_chunk,
-                commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch),
-                parallelism=parallelism,
-                in_memory=CHUNKS_IN_MEMORY_PER_WORKER * parallelism,
-                min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
-            )
-            for chunk, rows in stages.run(work):
-                result = results[chunk.table_name]
-                result.rows += rows
-                result.chunks_run += 1
-                if on_chunk:
-                    on_chunk(chunk, rows)
+        for chunk, rows in run_chunks(
+            self.config.source,
+            work,
+            read=lambda reader, table, chunk: self.read_chunk(reader, table, chunk, snapshot),
+            write=self.write_chunk,
+            commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch),
+            parallelism=self.config.snapshot.parallelism,
+            min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
+        ):
+            result = results[chunk.table_name]
+            result.rows += rows
+            result.chunks_run += 1
+            if on_chunk:
+                on_chunk(chunk, rows)

@@ -19,9 +19,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..config import PostgresConnection
 from ..coordination.store import Chunk
 from ..source.catalog import SourceTable
 from .chunks import WrittenChunk
+from .reader import ArrowReader
+
+CHUNKS_IN_MEMORY_PER_WORKER = 4
 
 ReadChunk = Callable[[SourceTable, Chunk], pa.Table]
 WriteChunk = Callable[[SourceTable, Chunk, pa.Table], WrittenChunk]
@@ -132,3 +136,27 @@ class ChunkStages:
             if batch:
                 self._last_commit[table.key] = time.monotonic()
         return self._commit(table, batch) if batch else []
+
+
+def run_chunks(
+    source: PostgresConnection,
+    work: Sequence[tuple[SourceTable, Chunk]],
+    read: Callable[[ArrowReader, SourceTable, Chunk], pa.Table],
+    write: WriteChunk,
+    commit: CommitChunks,
+    parallelism: int,
+    min_commit_interval: float,
+) -> Iterator[tuple[Chunk, int]]:
+    """Run ``work`` through :class:`ChunkStages`, reading with one :class:`ArrowReader` on ``source``
+    (``read`` gets it) and ``CHUNKS_IN_MEMORY_PER_WORKER`` chunks in memory per reader; yields each
+    committed chunk with its rows."""
+    with ArrowReader(source) as reader:
+        stages = ChunkStages(
+            read=lambda table, chunk: read(reader, table, chunk),
+            write=write,
+            commit=commit,
+            parallelism=parallelism,
+            in_memory=CHUNKS_IN_MEMORY_PER_WORKER * parallelism,
+            min_commit_interval=min_commit_interval,
+        )
+        yield from stages.run(work)
