@@ -309,7 +309,7 @@ class Pipeline:
         thread = threading.Thread(target=stream, name="flusher", daemon=True)
         thread.start()
         materializer = self.materializer()
-        resyncs = _ResyncWorker(self.config, self._spark_factory)
+        resyncs = _ResyncWorker(self.config)
         wait = interval if interval is not None else self.config.materialize.interval_seconds
         try:
             while not stop.is_set():
@@ -408,9 +408,8 @@ class _ResyncWorker:
 
     RETRY_SECONDS = 60.0
 
-    def __init__(self, config: PipelineConfig, spark_factory: Any) -> None:
+    def __init__(self, config: PipelineConfig) -> None:
         self.config = config
-        self._spark_factory = spark_factory
         self._thread: threading.Thread | None = None
         self._failed_at: dict[str, float] = {}
 
@@ -429,7 +428,7 @@ class _ResyncWorker:
     def _resync(self, table_key: str, reason: str) -> None:
         log.warning("resyncing %s online: %s", table_key, reason)
         try:
-            with Pipeline(self.config, self._spark_factory) as pipeline:
+            with Pipeline(self.config) as pipeline:  # a resync needs no Spark
                 result = pipeline.resync(table_key)
             self._failed_at.pop(table_key, None)
             log.warning("resynced %s: %d rows in %.1f s", table_key, result.rows, result.seconds)

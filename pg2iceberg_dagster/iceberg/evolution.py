@@ -188,7 +188,8 @@ def _plan(
     for column in columns:
         wanted = iceberg_type(column.type, column.name, element_ids)
         current = field_for(schema, attnums, column)
-        if current is not None and rebuild and column_fit(current.field_type, wanted) == "incompatible":
+        fit = column_fit(current.field_type, wanted) if current is not None else None
+        if current is not None and rebuild and fit == "incompatible":
             plan.replaced.append(current.field_id)
             plan.changes.append(f"replace {current.name} {current.field_type} -> {column.name} {wanted}")
             current = None
@@ -213,7 +214,6 @@ def _plan(
         if current.name != column.name:
             plan.renames[current.field_id] = column.name
             plan.changes.append(f"rename {current.name} -> {column.name}")
-        fit = column_fit(current.field_type, wanted)
         if fit == "widen":
             plan.widenings.append((current.field_id, wanted))
             plan.changes.append(f"widen {column.name} {current.field_type} -> {wanted}")
@@ -234,7 +234,8 @@ def _plan(
             "its values without any WAL change",
         )
     if rebuild:
-        plan.deleted = [f.field_id for f in schema.fields if f.field_id not in {*matched, *plan.replaced}]
+        kept = matched | set(plan.replaced)
+        plan.deleted = [f.field_id for f in schema.fields if f.field_id not in kept]
         plan.changes += [f"drop {schema.find_column_name(i)} (gone from the source)" for i in plan.deleted]
     return plan
 
