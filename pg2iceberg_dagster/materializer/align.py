@@ -64,7 +64,7 @@ def _aligned_relation(relation: StagedRelation, mapping: _Mapping) -> StagedRela
         if (target := mapping.targets[column.name]) is not None
     ]
     columns.extend(column for column, _ in mapping.fills)
-    return StagedRelation(table=relation.table, columns=tuple(columns))
+    return dataclasses.replace(relation, columns=tuple(columns))
 
 
 def _aligned_changes(changes: pa.Table, mapping: _Mapping) -> pa.Table:
