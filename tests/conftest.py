@@ -35,10 +35,20 @@ class Crash(Exception):
     """Stands for the process dying at an injection point."""
 
 
-def crash_writing_chunks_from(monkeypatch: pytest.MonkeyPatch, first_failing: int) -> None:
-    """Chunks before index ``first_failing`` are written and committed; writing a later one dies with
-    Crash, until ``monkeypatch.undo()``. (Reads run ahead of commits, so a crash decided by chunk
-    index, not by timing, is what leaves exactly those chunks done.)"""
+def crash_at(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """Make ``owner.name`` (a method of a class, a function of a module) die with Crash until
+    ``monkeypatch.undo()``."""
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise Crash
+
+    monkeypatch.setattr(owner, name, crash)
+
+
+def snapshot_crashing_at_chunk(monkeypatch: pytest.MonkeyPatch, pipeline: Pipeline, first_failing: int) -> None:
+    """Run ``pipeline``'s snapshot until writing chunk ``first_failing`` dies with Crash: the chunks
+    before it are written and committed, and the patch is undone. (Reads run ahead of commits, so a
+    crash decided by chunk index, not by timing, is what leaves exactly those chunks done.)"""
     write = SnapshotRunner.write_chunk
 
     def write_or_crash(self: SnapshotRunner, table: SourceTable, chunk: Chunk, data: pa.Table) -> WrittenChunk:
@@ -47,6 +57,9 @@ def crash_writing_chunks_from(monkeypatch: pytest.MonkeyPatch, first_failing: in
         return write(self, table, chunk, data)
 
     monkeypatch.setattr(SnapshotRunner, "write_chunk", write_or_crash)
+    with pytest.raises(Crash):
+        pipeline.snapshot()
+    monkeypatch.undo()
 
 
 @pytest.fixture(scope="session")

@@ -21,18 +21,9 @@ from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.source.replication import ReplicationStream
 from soak.busy import BusyTable
 
-from .conftest import Crash, SourceDb, assert_mirrored, crash_writing_chunks_from, sync
+from .conftest import Crash, SourceDb, assert_mirrored, crash_at, snapshot_crashing_at_chunk, sync
 
 pytestmark = pytest.mark.usefixtures("spark")
-
-
-def crash_at(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> None:
-    """Make ``owner.method`` die with Crash until ``monkeypatch.undo()``."""
-
-    def crash(*args: object, **kwargs: object) -> None:
-        raise Crash
-
-    monkeypatch.setattr(owner, method, crash)
 
 
 def _orders(source: SourceDb, rows: int = 6000) -> None:
@@ -49,10 +40,7 @@ def test_crash_mid_snapshot_with_its_export_lost_starts_the_table_again(
     _orders(source)
     config = source.config(["public.orders"], snapshot={"chunk_pages": 4, "parallelism": 1})
     first = source.pipeline(config)
-    crash_writing_chunks_from(monkeypatch, 2)
-    with pytest.raises(Crash):
-        first.snapshot()
-    monkeypatch.undo()
+    snapshot_crashing_at_chunk(monkeypatch, first, 2)
     chunks = first.store.chunks("public.orders")
     assert [c.index for c in chunks if c.done] == [0, 1] and len(chunks) > 2
     source.execute("UPDATE public.orders SET v = v || '!' WHERE id % 3 = 0")
@@ -136,10 +124,7 @@ def test_row_moved_into_a_done_chunk_keeps_its_toast_after_export_loss(
     source.execute("INSERT INTO public.docs SELECT g, 0, repeat(md5(g::text), 100) FROM generate_series(1, 2000) g")
     config = source.config(["public.docs"], snapshot={"chunk_pages": 4, "parallelism": 1})
     first = source.pipeline(config)
-    crash_writing_chunks_from(monkeypatch, 1)
-    with pytest.raises(Crash):
-        first.snapshot()
-    monkeypatch.undo()
+    snapshot_crashing_at_chunk(monkeypatch, first, 1)
     chunks = first.store.chunks("public.docs")
     boundary = min(c.start_page for c in chunks if not c.done)
     read = f"'({boundary},0)'::tid"
@@ -217,8 +202,8 @@ def test_snapshot_killed_again_and_again_under_writes_resumes_exactly(source: So
     exported snapshot and skips the chunks done: one epoch, nothing read twice, nothing lost."""
 
     def deaths(path: Path) -> None:
-        for crash_at in ["snapshot.after_chunk_commit:1", "snapshot.mid_chunk:2", "snapshot.after_chunk_commit:2"]:
-            died = _snapshot_process(path, crash_at)
+        for point in ["snapshot.after_chunk_commit:1", "snapshot.mid_chunk:2", "snapshot.after_chunk_commit:2"]:
+            died = _snapshot_process(path, point)
             assert died.wait(300) == -signal.SIGKILL, died.stderr.read() if died.stderr else ""
         # The holder outlived them: `status` shows it, and the next run imports its snapshot.
         assert source.pipeline(load_config(path)).status()["snapshot_holder"] == {"epoch": 0}

@@ -10,7 +10,7 @@ import pytest
 
 from pg2iceberg_dagster.materializer import merge
 
-from .conftest import Crash, SourceDb, assert_mirrored, crash_writing_chunks_from, sync
+from .conftest import Crash, SourceDb, assert_mirrored, crash_at, snapshot_crashing_at_chunk, sync
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -62,11 +62,7 @@ def test_add_column_with_a_default_across_batches_and_a_crash_after_the_fill(
     source.execute("ALTER TABLE public.items ADD COLUMN price numeric(10, 2) DEFAULT 12.50")
     source.execute("INSERT INTO public.items VALUES (11, 'after', 3)")
     pipeline.stream(until_caught_up=True)
-
-    def crash(*_: object) -> None:
-        raise Crash
-
-    monkeypatch.setattr(merge, "clear_pending_fills", crash)
+    crash_at(monkeypatch, merge, "clear_pending_fills")
     with pytest.raises(Crash):
         pipeline.materialize()
     monkeypatch.undo()
@@ -84,10 +80,7 @@ def test_add_column_with_a_default_and_a_rename_during_the_snapshot(
     source.execute("INSERT INTO public.big SELECT g, repeat('x', 200), g FROM generate_series(1, 3000) g")
     config = source.config(["public.big"], snapshot={"chunk_pages": 10, "parallelism": 1})
     pipeline = source.pipeline(config)
-    crash_writing_chunks_from(monkeypatch, 3)
-    with pytest.raises(Crash):
-        pipeline.snapshot()
-    monkeypatch.undo()
+    snapshot_crashing_at_chunk(monkeypatch, pipeline, 3)
     source.execute("ALTER TABLE public.big ADD COLUMN flag boolean DEFAULT true")
     source.execute("ALTER TABLE public.big RENAME COLUMN n TO amount")
     source.execute("UPDATE public.big SET v = 'changed', amount = -1 WHERE id % 500 = 0")

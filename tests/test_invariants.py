@@ -18,7 +18,7 @@ from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.snapshot import holder
 from pg2iceberg_dagster.snapshot.holder import hold_snapshot
 
-from .conftest import Crash, SourceDb, config_on, crash_writing_chunks_from, footprint
+from .conftest import SourceDb, config_on, footprint, snapshot_crashing_at_chunk
 
 
 def _every_entry_point_refuses(source: SourceDb, config: PipelineConfig, match: str) -> None:
@@ -100,10 +100,7 @@ def test_slot_dropped_mid_snapshot_is_refused(source: SourceDb, monkeypatch: pyt
     source.execute("INSERT INTO public.t SELECT g, repeat('x', 200) FROM generate_series(1, 3000) g")
     config = source.config(["public.t"], snapshot={"chunk_pages": 8, "parallelism": 1})
 
-    crash_writing_chunks_from(monkeypatch, 1)
-    with pytest.raises(Crash):
-        source.pipeline(config).snapshot()
-    monkeypatch.undo()
+    snapshot_crashing_at_chunk(monkeypatch, source.pipeline(config), 1)
     source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
     state = footprint(config)
     assert state["_pg2iceberg.tables"] and any(
