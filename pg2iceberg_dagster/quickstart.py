@@ -96,8 +96,10 @@ def live_writes(conninfo: str, stop: threading.Event, rows: int) -> int:
     """Random inserts, updates and deletes until ``stop``; returns the number of transactions."""
     rng = random.Random(7)
     transactions = 0
-    next_id = rows + 1
     with psycopg.connect(conninfo, autocommit=True) as conn:
+        # After the first session (quickstart, then quickstart --dagster) orders holds later ids too.
+        row = conn.execute("SELECT coalesce(max(id), 0) FROM orders").fetchone()
+        next_id = max(rows, row[0] if row else 0) + 1
         while not stop.is_set():
             with conn.transaction():
                 for _ in range(rng.randint(1, 20)):
