@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from pg2iceberg_dagster.cleanup import reset_table
 from pg2iceberg_dagster.errors import SchemaChangeError
 from pg2iceberg_dagster.materializer import merge
 
@@ -19,6 +20,16 @@ pytestmark = pytest.mark.usefixtures("spark")
 def _field_ids(pipeline, source: SourceDb, table: str) -> dict[str, int]:  # type: ignore[no-untyped-def]
     schema = pipeline.catalog.load_table(f"{source.name}_public.{table}").schema()
     return {f.name: f.field_id for f in schema.fields}
+
+
+def _assert_merge_refused(pipeline, source: SourceDb, column: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    """The merge of public.items refuses with ``message`` and writes nothing: no ``column`` in Iceberg,
+    ``mat_cursor`` not moved."""
+    with pytest.raises(SchemaChangeError, match=message):
+        pipeline.materialize()
+    table = pipeline.catalog.load_table(f"{source.name}_public.items")
+    assert column not in table.schema().column_names
+    assert pipeline.store.mat_cursor("default", "public.items") == 0
 
 
 def test_add_column_with_a_default_gives_older_rows_the_default(source: SourceDb) -> None:
@@ -164,10 +175,31 @@ def test_a_default_whose_older_values_no_record_keeps_is_refused_before_anything
     source.execute("ALTER TABLE public.items ALTER COLUMN n TYPE bigint")  # rewrites: attmissingval is gone
     source.execute("INSERT INTO public.items VALUES (11, 'after', 1, 1)")
     pipeline.stream(until_caught_up=True)
-    with pytest.raises(
-        SchemaChangeError, match=r"public\.items: column flag was added with a default.*cleanup --table"
-    ):
-        pipeline.materialize()
-    table = pipeline.catalog.load_table(f"{source.name}_public.items")
-    assert "flag" not in table.schema().column_names
-    assert pipeline.store.mat_cursor("default", "public.items") == 0
+    _assert_merge_refused(
+        pipeline, source, "flag", r"public\.items: column flag was added with a default.*cleanup --table"
+    )
+
+
+def test_a_generated_column_added_later_is_refused_before_anything_is_written(source: SourceDb) -> None:
+    """``ADD COLUMN ... GENERATED ALWAYS AS (...) STORED`` rewrites the table, computing a value for
+    every existing row with no WAL change: the merge refuses, naming the column and the recovery,
+    rather than leaving those rows NULL in Iceberg; the recovery then mirrors the table."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, n int)")
+    source.execute("INSERT INTO public.items SELECT g, g FROM generate_series(1, 10) g")
+    config = source.config(["public.items"])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    source.execute("UPDATE public.items SET n = 0 WHERE id = 1")
+    source.execute("ALTER TABLE public.items ADD COLUMN half numeric(6, 1) GENERATED ALWAYS AS (n / 2.0) STORED")
+    source.execute("INSERT INTO public.items (id, n) VALUES (11, 11)")
+    pipeline.stream(until_caught_up=True)
+    _assert_merge_refused(
+        pipeline, source, "half", r"public\.items: column half was added as GENERATED.*cleanup --table public\.items"
+    )
+    reset_table(config, pipeline.store, pipeline.catalog, "public.items")  # what `cleanup --table` runs
+    pipeline.close()
+    pipeline = source.pipeline(config)  # a new process: `snapshot` describes the table as it is now
+    pipeline.snapshot()
+    source.execute("UPDATE public.items SET n = 3 WHERE id = 2")
+    sync(pipeline)
+    assert_mirrored(pipeline)

@@ -201,7 +201,16 @@ def _plan(table: Table, table_key: str, columns: Sequence[SourceColumn]) -> _Pla
 def _refuse_unknown_older_values(table_key: str, column: SourceColumn) -> None:
     """A new column with a default but no ``attmissingval``: rows older than it may hold values no
     WAL change carried (a volatile default rewrites the table; any rewrite since the ALTER, such as
-    ``ALTER COLUMN ... TYPE`` or ``VACUUM FULL``, clears the catalog's record of a constant one)."""
+    ``ALTER COLUMN ... TYPE`` or ``VACUUM FULL``, clears the catalog's record of a constant one).
+    A generated column added by ``ALTER TABLE ... ADD COLUMN`` is the same case: the ALTER rewrites
+    the table, computing a value for every existing row."""
+    if column.generated:
+        raise SchemaChangeError(
+            f"{table_key}: column {column.name} was added as GENERATED ALWAYS AS (...) STORED: PostgreSQL computed "
+            "it for every existing row while rewriting the table, without any WAL change, so the mirror cannot "
+            "know those values. Nothing was written. Snapshot the table again: pg2iceberg-dagster cleanup "
+            f"--table {table_key}, then snapshot."
+        )
     if column.has_default and column.missing is None:
         raise SchemaChangeError(
             f"{table_key}: column {column.name} was added with a default that the table's older rows hold "
