@@ -15,13 +15,14 @@ a Delete whose key tuple holds an unchanged value, and anything malformed (which
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,6 +31,12 @@ from ..source import pgoutput
 from ..source.catalog import SourceTable
 from ..source.replication import XLOG_HEADER
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, StagedRelation, encode_columns, join_names
+
+if TYPE_CHECKING:
+    from .generated import GeneratedColumns
+
+# Adds the values of generated columns to the six staging columns of a table's rows (see .generated).
+CompleteRows = Callable[["GeneratedColumns", list[pa.Array]], list[pa.Array]]
 
 _XLOG_START = struct.Struct("!Q")
 # A TRUNCATE marker's payload: the tag and a relation OID (see truncate_marker).
@@ -58,6 +65,8 @@ class RelationInfo:
     positions: dict[str, int]
     # The primary key's names in this relation (a RENAME since startup changes them); default: as configured.
     key: tuple[str, ...] = ()
+    # Generated columns the stream does not send, which the flusher computes (None: nothing to compute).
+    generated: GeneratedColumns | None = None
     # Per column, precomputed once: the JSON key ('"name"') and the CSV form for ``_unchanged_cols``.
     json_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
     csv_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
@@ -71,6 +80,13 @@ class RelationInfo:
         object.__setattr__(self, "csv_names", tuple(join_names([column.name]) for column in columns))
         plain = frozenset(i for i, column in enumerate(columns) if column.type.kind in PLAIN_TEXT_KINDS)
         object.__setattr__(self, "plain_columns", plain)
+
+    @property
+    def staged_relation(self) -> StagedRelation:
+        """The relation staged files record: the columns the stream sends, then the computed ones."""
+        if self.generated is None:
+            return self.relation
+        return dataclasses.replace(self.relation, columns=self.relation.columns + self.generated.staged)
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,17 @@ def truncate_marker(lsn: int, oid: int) -> bytes:
 def xlog_data(lsn: int, payload: bytes) -> bytes:
     """A WAL data message as the stream delivers it: 'w', WAL start, WAL end, send time, then the payload."""
     return b"w" + _XLOG_START.pack(lsn) + bytes(16) + payload
+
+
+def json_string_bodies(texts: pa.Array) -> pa.Array:
+    """``texts`` as the insides of JSON strings: the few values holding a character JSON requires
+    escaped (found by one kernel call) are escaped by json.dumps, the others are kept as they are."""
+    escape = pc.match_substring_regex(texts, _NEEDS_ESCAPE)
+    if not pc.any(escape).as_py():
+        return texts
+    wrong = pc.take(texts, pc.indices_nonzero(escape)).to_pylist()
+    fixed = pa.array([json.dumps(v, ensure_ascii=False)[1:-1] for v in wrong], pa.string())
+    return pc.replace_with_mask(texts, escape, fixed)
 
 
 def _arange(count: int) -> pa.Array:
@@ -155,11 +182,16 @@ class MessageBatch:
         """The relation OID of every message (row messages and TRUNCATE markers carry it after the tag)."""
         return self.int_at(pc.add(self.starts, 1), 4)
 
-    def encode(self, info: RelationInfo, rows: pa.Array) -> EncodedSegment:
-        """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending)."""
+    def encode(self, info: RelationInfo, rows: pa.Array, complete: CompleteRows | None = None) -> EncodedSegment:
+        """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending); ``complete``
+        adds the values of generated columns the stream does not send (required for such a table)."""
         columns = _Decoder(self, info, rows).columns()
+        if info.generated is not None:
+            if complete is None:
+                raise ValueError(f"{info.table.key}: generated columns to compute, and nothing to compute them")
+            columns = complete(info.generated, columns)
         lsns = pc.take(self.lsn, rows)
-        data = encode_columns(info.relation, *columns)
+        data = encode_columns(info.staged_relation, *columns)
         return EncodedSegment(data=data, rows=len(columns[0]), first_lsn=lsns[0].as_py(), last_lsn=pc.max(lsns).as_py())
 
     def byte_at(self, positions: pa.Array) -> pa.Array:
@@ -236,11 +268,7 @@ class _Decoder:
         for index, kind, start, end in columns:
             text = self.texts(start, end)
             if index not in self.info.plain_columns:
-                escape = pc.match_substring_regex(text, _NEEDS_ESCAPE)
-                if pc.any(escape).as_py():
-                    wrong = pc.take(text, pc.indices_nonzero(escape)).to_pylist()
-                    fixed = pa.array([json.dumps(v, ensure_ascii=False)[1:-1] for v in wrong], pa.string())
-                    text = pc.replace_with_mask(text, escape, fixed)
+                text = json_string_bodies(text)
             values.append((index, kind, text, pc.any(pc.not_equal(kind, _TEXT)).as_py()))
         if any(pc.any(pc.equal(kind, _TOAST)).as_py() for _, kind, _, other in values if other):
             return self._json_with_unchanged(values, count)

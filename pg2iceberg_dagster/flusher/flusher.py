@@ -26,6 +26,7 @@ from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
 from ..staging.codec import StagedRelation
 from ..staging.store import ObjectStore
 from .batch import RelationInfo, truncate_marker
+from .generated import GeneratedValues, describe_generated
 from .window import RelationLog, StagedWriter
 
 _ROW_TAGS = frozenset(b"IUD")
@@ -89,6 +90,7 @@ class Flusher:
         self.object_store = ObjectStore(config.staging)
         self._catalog_conn = connect(config.source)
         self._resolver = TypeResolver(self._catalog_conn)
+        self._generated = GeneratedValues(self._catalog_conn)
 
     def close(self) -> None:
         self._catalog_conn.close()
@@ -111,7 +113,7 @@ class Flusher:
         deadline = time.monotonic() + max_seconds if max_seconds is not None else None
         stats = FlushStats(flushed_lsn=start_lsn)
         relations = RelationLog()
-        writer = StagedWriter(self.object_store, self.config.flush, relations)
+        writer = StagedWriter(self.object_store, self.config.flush, relations, self._generated.complete)
         last_flush = time.monotonic()
         with ReplicationStream(
             self.config.source,
@@ -276,9 +278,8 @@ class Flusher:
             return None  # published but not configured: ignored
         # The message names the columns; the catalog gives each its identity (attnum, which a RENAME
         # keeps) and the value older rows read for a column added with a DEFAULT.
-        identities = identify_columns(
-            table_attributes(self._catalog_conn, relation.oid), [(c.name, c.type_oid) for c in relation.columns]
-        )
+        attributes = table_attributes(self._catalog_conn, relation.oid)
+        identities = identify_columns(attributes, [(c.name, c.type_oid) for c in relation.columns])
         names = {a.attnum: column.name for a, column in zip(identities, relation.columns, strict=True) if a is not None}
         key = tuple(names.get(table.column(name).attnum or 0, name) for name in table.primary_key)
         columns = tuple(
@@ -290,9 +291,15 @@ class Flusher:
             )
             for column, identity in zip(relation.columns, identities, strict=True)
         )
+        # Generated columns the message lacks are computed for each row image (see .generated).
+        wire_names = [column.name for column in relation.columns]
+        generated = describe_generated(
+            self._catalog_conn, table, attributes, identities, wire_names, key, self._resolver
+        )
         return RelationInfo(
             table=table,
             relation=StagedRelation(table.key, columns, file_node(self._catalog_conn, relation.oid)),
-            positions={column.name: index for index, column in enumerate(relation.columns)},
+            positions={name: index for index, name in enumerate(wire_names)},
             key=key,
+            generated=generated,
         )

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from ..config import FlushConfig
 from ..coordination.store import StagedFile
 from ..staging.store import ObjectStore, staged_file_key
-from .batch import MessageBatch, RelationInfo
+from .batch import CompleteRows, MessageBatch, RelationInfo
 from .txbuffer import SpillFile
 
 # What one buffered message costs beyond its bytes: the memoryview, the libpq buffer object holding
@@ -77,8 +77,11 @@ class RelationLog:
 class StagedWriter:
     """Buffers row messages in log order and uploads the committed ones as staged files of bounded size."""
 
-    def __init__(self, store: ObjectStore, flush: FlushConfig, relations: RelationLog) -> None:
+    def __init__(
+        self, store: ObjectStore, flush: FlushConfig, relations: RelationLog, complete: CompleteRows | None = None
+    ) -> None:
         self._store = store
+        self._complete = complete  # computes generated columns the stream does not send
         self._max_rows = flush.max_rows
         self._max_bytes = flush.max_bytes
         self._memory_bytes = flush.txn_memory_bytes
@@ -230,7 +233,7 @@ class StagedWriter:
 
     def _upload(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> None:
         table = info.relation.table
-        encoded = batch.encode(info, rows)
+        encoded = batch.encode(info, rows, self._complete)
         key = staged_file_key(table, encoded.last_lsn)
         self._store.put(key, encoded.data)
         self.uploaded.append(

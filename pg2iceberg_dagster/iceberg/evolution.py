@@ -243,7 +243,15 @@ def _plan(
 def _refuse_unknown_older_values(table_key: str, column: SourceColumn) -> None:
     """A new column with a default but no ``attmissingval``: rows older than it may hold values no
     WAL change carried (a volatile default rewrites the table; any rewrite since the ALTER, such as
-    ``ALTER COLUMN ... TYPE`` or ``VACUUM FULL``, clears the catalog's record of a constant one)."""
+    ``ALTER COLUMN ... TYPE`` or ``VACUUM FULL``, clears the catalog's record of a constant one).
+    A generated column added by ``ALTER TABLE ... ADD COLUMN`` is the same case: the ALTER rewrites
+    the table, computing a value for every existing row."""
+    if column.generated:
+        raise ResyncRequiredError(
+            table_key,
+            f"column {column.name} was added as GENERATED ALWAYS AS (...) STORED: PostgreSQL computed it for every "
+            "existing row while rewriting the table, without any WAL change",
+        )
     if column.has_default and column.missing is None:
         raise ResyncRequiredError(
             table_key,

@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from ..config import PostgresConnection, TableConfig
 from ..errors import StartupCheckError
@@ -55,6 +54,7 @@ class SourceColumn:
     (``pg_attribute.attmissingval``, set by ``ADD COLUMN ... DEFAULT <constant>``), else None.
     ``has_default``: the column has a default now (with no ``missing``, rows older than the column
     may hold a value no WAL change carried: a volatile default, or a table rewritten since).
+    ``generated``: a ``GENERATED ALWAYS AS (...) STORED`` column (the flusher computes its values).
     """
 
     name: str
@@ -63,6 +63,7 @@ class SourceColumn:
     attnum: int | None = None
     missing: str | None = None
     has_default: bool = False
+    generated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +73,7 @@ class SourceColumn:
             "attnum": self.attnum,
             "missing": self.missing,
             "has_default": self.has_default,
+            "generated": self.generated,
         }
 
     @classmethod
@@ -83,6 +85,7 @@ class SourceColumn:
             attnum=data.get("attnum"),
             missing=data.get("missing"),
             has_default=data.get("has_default", False),
+            generated=data.get("generated", False),
         )
 
 
@@ -160,6 +163,7 @@ class Attribute:
     missing: str | None
     has_default: bool
     dimensions: int  # declared array dimensions (attndims), 0 for a non-array
+    type_sql: str  # the declared type as SQL (format_type), to cast a text value to it
 
 
 def source_column(name: str, pg_type: PgType, not_null: bool, attribute: Attribute | None) -> SourceColumn:
@@ -174,7 +178,14 @@ def source_column(name: str, pg_type: PgType, not_null: bool, attribute: Attribu
         attnum=attribute.attnum,
         missing=attribute.missing,
         has_default=attribute.has_default,
+        generated=attribute.generated,
     )
+
+
+def attribute_column(attribute: Attribute, resolver: TypeResolver) -> SourceColumn:
+    """The column a catalog ``attribute`` describes, as it is now."""
+    pg_type = resolver.resolve(attribute.type_oid, attribute.type_mod, attribute.dimensions)
+    return source_column(attribute.name, pg_type, attribute.not_null, attribute)
 
 
 def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
@@ -182,7 +193,8 @@ def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
     rows = conn.execute(
         """
         SELECT attname, attnum, atttypid, atttypmod, attnotnull, attgenerated <> '',
-               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END, atthasdef, attndims
+               CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END, atthasdef, attndims,
+               format_type(atttypid, atttypmod)
         FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
         """,
         (oid,),
@@ -197,13 +209,18 @@ def identify_columns(attributes: Sequence[Attribute], columns: Sequence[tuple[st
     when every name is still there in the message's order; else by position when the first live
     columns have the message's types (a RENAME keeps positions, columns added since come last). A
     RENAME together with a DROP COLUMN since the message leaves the renamed columns unknown.
+    Generated columns count for the positions only when the message names one: pgoutput sends
+    them only from PostgreSQL 18 on, and only for a publication with ``publish_generated_columns``.
     """
     by_name = {attribute.name: attribute for attribute in attributes}
     named = [by_name.get(name) for name, _ in columns]
     attnums = [attribute.attnum for attribute in named if attribute is not None]
     if len(attnums) == len(columns) and attnums == sorted(attnums):
         return named
-    first = list(attributes[: len(columns)])
+    sent = attributes
+    if not any(attribute is not None and attribute.generated for attribute in named):
+        sent = [attribute for attribute in attributes if not attribute.generated]
+    first = list(sent[: len(columns)])
     if len(first) == len(columns) and all(
         a.type_oid == type_oid for a, (_, type_oid) in zip(first, columns, strict=True)
     ):
@@ -211,26 +228,49 @@ def identify_columns(attributes: Sequence[Attribute], columns: Sequence[tuple[st
     return named
 
 
+@dataclass(frozen=True)
+class GenerationExpression:
+    """How PostgreSQL computes a ``GENERATED ALWAYS AS (...) STORED`` column."""
+
+    attnum: int
+    expression: str  # pg_get_expr: SQL over the table's column names as they are now
+    inputs: tuple[int, ...]  # attnums of the columns it reads (pg_depend; tableoid, -6, too)
+
+
+def generation_expressions(conn: psycopg.Connection, oid: int) -> dict[int, GenerationExpression]:
+    """The stored generated columns of a table by attnum, with their expressions and input columns."""
+    rows = conn.execute(
+        """
+        SELECT a.attnum, pg_get_expr(d.adbin, d.adrelid),
+               ARRAY(SELECT dep.refobjsubid::int FROM pg_depend dep
+                     WHERE dep.classid = 'pg_attrdef'::regclass AND dep.objid = d.oid
+                       AND dep.refclassid = 'pg_class'::regclass AND dep.refobjid = a.attrelid
+                       AND dep.refobjsubid <> a.attnum AND dep.refobjsubid <> 0
+                     ORDER BY 1)
+        FROM pg_attribute a JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE a.attrelid = %s AND a.attgenerated = 's' AND NOT a.attisdropped
+        """,
+        (oid,),
+    ).fetchall()
+    return {attnum: GenerationExpression(attnum, expression, tuple(inputs)) for attnum, expression, inputs in rows}
+
+
 def server_version(conn: psycopg.Connection) -> int:
     """``server_version_num``, e.g. 150004."""
     return int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
 
 
-def _refuse_generated_columns(conn: psycopg.Connection, table: TableConfig, generated: list[str]) -> None:
-    """pgoutput sends no generated column (before PostgreSQL 18, and there only for a publication
-    with ``publish_generated_columns``): the mirror would keep each such value as the snapshot read it."""
-    if not generated:
-        return
-    names = ", ".join(generated)
-    drop = "; ".join(
-        f"ALTER TABLE {table.name} ALTER COLUMN {sql.Identifier(name).as_string(conn)} DROP EXPRESSION"
-        for name in generated
-    )
-    raise StartupCheckError(
-        f"{table.key}: column(s) {names} are GENERATED ... STORED, and logical replication does not send "
-        f"generated columns, so the mirror would keep their snapshot values forever. Make them plain columns "
-        f"({drop}; the application then sets them), or remove {table.key} from the config"
-    )
+def _refuse_generated_key(table: TableConfig, key: Sequence[str], columns: Sequence[SourceColumn]) -> None:
+    """A key column must come with every DELETE, and pgoutput before PostgreSQL 18 sends no generated
+    column: such a key could not say which row went."""
+    generated = [column.name for column in columns if column.generated and column.name in key]
+    if generated:
+        raise StartupCheckError(
+            f"{table.key}: primary key column(s) {', '.join(generated)} are GENERATED ... STORED, and logical "
+            "replication does not send generated columns, so a DELETE would not say which row went. Key the "
+            "table on plain columns (or set tables[].primary_key to them, with REPLICA IDENTITY FULL), or remove "
+            f"{table.key} from the config"
+        )
 
 
 def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
@@ -249,10 +289,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     if relkind != "r":
         raise StartupCheckError(f"{table.key} is not an ordinary table (relkind {relkind!r}); list its partitions")
     attributes = table_attributes(conn, oid)
-    _refuse_generated_columns(conn, table, [a.name for a in attributes if a.generated])
-    columns = tuple(
-        source_column(a.name, resolver.resolve(a.type_oid, a.type_mod, a.dimensions), a.not_null, a) for a in attributes
-    )
+    columns = tuple(attribute_column(attribute, resolver) for attribute in attributes)
     declared_key = tuple(
         name
         for (name,) in conn.execute(
@@ -283,6 +320,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
             f"{table.key} has no primary key; declare one, or set tables[].primary_key in the config "
             f"and ALTER TABLE {table.name} REPLICA IDENTITY FULL"
         )
+    _refuse_generated_key(table, key, columns)
     if replident == "n":
         raise StartupCheckError(f"{table.key} has REPLICA IDENTITY NOTHING; updates and deletes cannot be replicated")
     return SourceTable(
