@@ -200,3 +200,34 @@ def test_a_widening_by_rewrite_is_resynced_and_one_without_is_followed(source: S
     pipeline.resync("public.items")
     sync(pipeline)
     assert_mirrored(pipeline)
+
+
+def test_a_retype_between_two_merges_and_a_narrowing_are_resynced(source: SourceDb) -> None:
+    """A column added, filled and retyped with ``USING`` before the next merge: Iceberg never had its
+    first type, the batch holds both. And ``double precision -> real`` rounds every value in a rewrite
+    no WAL change carries: the narrower type would hold them in Iceberg, but the values are gone. Both
+    are resynced, and the table's type is then the source's."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v double precision)")
+    source.execute("INSERT INTO public.items SELECT g, g / 3.0 FROM generate_series(1, 50) g")
+    pipeline = source.pipeline(source.config(["public.items"]))
+    pipeline.snapshot()
+    source.execute("ALTER TABLE public.items ADD COLUMN flag boolean")
+    source.execute("UPDATE public.items SET flag = id % 2 = 0 WHERE id <= 10")
+    source.execute("ALTER TABLE public.items ALTER COLUMN flag TYPE text USING flag::text || '~'")
+    source.execute("UPDATE public.items SET v = -1 WHERE id = 11")
+    pipeline.stream(until_caught_up=True)
+    result = pipeline.materialize()["public.items"]
+    assert "column flag changed from boolean to string" in (result.resync_reason or "")
+    pipeline.resync("public.items")
+    sync(pipeline)
+    assert_mirrored(pipeline)
+
+    source.execute("ALTER TABLE public.items ALTER COLUMN v TYPE real")
+    source.execute("UPDATE public.items SET flag = 'changed' WHERE id = 12")
+    sync(pipeline)
+    assert "column v changed type with a rewrite" in pipeline.resyncs_pending()["public.items"]
+    pipeline.resync("public.items")
+    sync(pipeline)
+    assert_mirrored(pipeline)
+    iceberg = pipeline.catalog.load_table(f"{source.name}_public.items")
+    assert str(iceberg.schema().find_field("v").field_type) == "float"

@@ -14,6 +14,7 @@ before it merges anything newer, and then clears the record (so a crash in betwe
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -185,11 +186,13 @@ def _plan(
     plan = _Plan(rebuild=rebuild)
     element_ids = field_ids(10_000)  # only the types are compared; pyiceberg assigns real ids
     matched: set[int] = set()
+    retyped: list[str] = []  # source columns now of another type than their Iceberg field's
     for column in columns:
         wanted = iceberg_type(column.type, column.name, element_ids)
         current = field_for(schema, attnums, column)
         fit = column_fit(current.field_type, wanted) if current is not None else None
-        if current is not None and rebuild and fit == "incompatible":
+        if current is not None and rebuild and fit in ("incompatible", "holds"):
+            # Every row is read again: the field takes the source's type exactly (a narrowed one too).
             plan.replaced.append(current.field_id)
             plan.changes.append(f"replace {current.name} {current.field_type} -> {column.name} {wanted}")
             current = None
@@ -217,27 +220,59 @@ def _plan(
         if fit == "widen":
             plan.widenings.append((current.field_id, wanted))
             plan.changes.append(f"widen {column.name} {current.field_type} -> {wanted}")
+        elif fit == "holds":
+            retyped.append(column.name)
         elif fit == "incompatible":
-            raise ResyncRequiredError(
-                table_key,
-                f"column {column.name} changed from {current.field_type} to {wanted} at the source, which Iceberg "
-                "cannot evolve into (only int->bigint, real->double, numeric precision up, varchar->text are)",
-            )
+            _refuse_incompatible_type(table_key, column.name, current.field_type, wanted)
+    retyped += [schema.find_column_name(field_id) for field_id, _ in plan.widenings]
     recorded = table.properties.get(SOURCE_FILE_NODE)
-    if plan.widenings and not rebuild and file_node is not None and recorded and int(recorded) != file_node:
-        # PostgreSQL rewrites the table for int->bigint and real->double, and for any USING: values may
-        # have changed with no WAL change, and nothing tells which.
-        column = schema.find_column_name(plan.widenings[0][0])
-        raise ResyncRequiredError(
-            table_key,
-            f"column {column} changed type with a rewrite of the table, whose USING expression may have changed "
-            "its values without any WAL change",
-        )
+    if retyped and not rebuild and file_node is not None and recorded and int(recorded) != file_node:
+        # PostgreSQL rewrites the table for int->bigint, real->double and a narrowing, and for any
+        # USING: values may have changed with no WAL change, and nothing tells which.
+        _refuse_rewritten_type(table_key, retyped[0])
     if rebuild:
         kept = matched | set(plan.replaced)
         plan.deleted = [f.field_id for f in schema.fields if f.field_id not in kept]
         plan.changes += [f"drop {schema.find_column_name(i)} (gone from the source)" for i in plan.deleted]
     return plan
+
+
+def _refuse_incompatible_type(table_key: str, column: str, was: IcebergType, now: IcebergType) -> None:
+    raise ResyncRequiredError(
+        table_key,
+        f"column {column} changed from {was} to {now} at the source, which Iceberg cannot evolve into (only "
+        "int->bigint, real->double, numeric precision up, varchar->text are)",
+    )
+
+
+def _refuse_rewritten_type(table_key: str, column: str) -> None:
+    raise ResyncRequiredError(
+        table_key,
+        f"column {column} changed type with a rewrite of the table, whose USING expression may have changed "
+        "its values without any WAL change",
+    )
+
+
+def refuse_unfollowable_retypes(table_key: str, versions: Sequence[tuple[Sequence[SourceColumn], int | None]]) -> None:
+    """Between consecutive versions of a table's columns (oldest first, each with the ``file_node`` it
+    was read at), a column whose type changed needs a resync when Iceberg cannot evolve between the two
+    types, or when the table was rewritten meanwhile (its values may have changed with no WAL change).
+    Comparing the Iceberg schema with the newest version alone misses a column added and retyped
+    between two merges."""
+    element_ids = field_ids(10_000)  # only the types are compared
+    for (older, older_node), (newer, newer_node) in itertools.pairwise(versions):
+        before = {column.attnum: column for column in older if column.attnum is not None}
+        rewritten = older_node is not None and newer_node is not None and older_node != newer_node
+        for column in newer:
+            previous = before.get(column.attnum)
+            if previous is None or previous.type == column.type:
+                continue
+            was = iceberg_type(previous.type, column.name, element_ids)
+            now = iceberg_type(column.type, column.name, element_ids)
+            if column_fit(was, now) == "incompatible":
+                _refuse_incompatible_type(table_key, column.name, was, now)
+            if rewritten:
+                _refuse_rewritten_type(table_key, column.name)
 
 
 def _refuse_unknown_older_values(table_key: str, column: SourceColumn) -> None:
@@ -267,9 +302,9 @@ def evolve_schema(
     """Bring the Iceberg schema up to the source ``columns`` (the newest description of the table):
     renames by column identity, new columns (with a pending fill when added with a DEFAULT), safe
     widenings. Columns dropped at the source stay in Iceberg (they keep their history and read null
-    from then on). A narrowed column keeps its wider Iceberg type; any other change of type is
-    refused (see :func:`column_fit`), and so is a widening seen with a ``file_node`` other than the
-    one the rows were read with (a rewrite). Returns what changed."""
+    from then on). A narrowed column keeps its wider Iceberg type; any other change of type needs a
+    resync (see :func:`column_fit`), and so does a widening or narrowing seen with a ``file_node``
+    other than the one the rows were read with (a rewrite). Returns what changed."""
     plan = _plan(table, table_key, columns, file_node=file_node)
     if not plan.changes and not plan.adopted:
         return []

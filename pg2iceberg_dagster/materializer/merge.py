@@ -29,7 +29,7 @@ from ..coordination.store import Lag, LogEntry, SnapshotEpoch
 from ..errors import ResyncRequiredError
 from ..faults import crash_point
 from ..iceberg.catalog import table_identifier
-from ..iceberg.evolution import clear_pending_fills, evolve_schema, pending_fills
+from ..iceberg.evolution import clear_pending_fills, evolve_schema, pending_fills, refuse_unfollowable_retypes
 from ..iceberg.types import arrow_schema
 from ..source.lsn import format_lsn
 from ..source.xid_snapshot import XidSnapshot
@@ -252,6 +252,7 @@ class Materializer:
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.
             newest = staged[-1][0] if staged else None
+            refuse_unfollowable_retypes(table_key, [(relation.columns, relation.file_node) for relation, _ in staged])
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
