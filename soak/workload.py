@@ -98,6 +98,8 @@ class Column:
     type: str
     null_rate: float = 0.1
     toast: bool = False
+    # Read by a generated column: PostgreSQL refuses to retype or drop it (it can be renamed).
+    pinned: bool = False
 
     def value(self, rng: random.Random) -> str | None:
         if rng.random() < self.null_rate:
@@ -115,6 +117,8 @@ class TableModel:
     columns: list[Column]
     keys: set[tuple[str, ...]] = field(default_factory=set)
     next_id: int = 1
+    # GENERATED ALWAYS AS (...) STORED columns as (name, type, expression): never written to.
+    generated: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def qualified(self) -> str:
@@ -139,12 +143,13 @@ def initial_tables() -> list[TableModel]:
             [Column("region", "smallint", 0), Column("id", "bigint", 0)],
             [
                 Column("name", "varchar(40)"),
-                Column("balance", "numeric(12,2)"),
+                Column("balance", "numeric(12,2)", pinned=True),
                 Column("active", "boolean"),
                 Column("opened", "date"),
                 Column("updated", "timestamptz"),
                 Column("doc", "text", 0.2, toast=True),
             ],
+            generated=[("balance_cents", "numeric(15,0)", "balance * 100")],
         ),
         TableModel(
             "app",
@@ -167,15 +172,18 @@ def initial_tables() -> list[TableModel]:
                 Column("addr", "inet"),
                 Column("meta", "json"),
                 Column("code", "char(8)"),
-                Column("n", "integer"),
+                Column("n", "integer", pinned=True),
             ],
+            generated=[("n_twice", "bigint", "n::bigint * 2 + length(kind)")],
         ),
         TableModel(
             "public",
             "wide",
             [Column("id", "integer", 0)],
             [Column(f"c{i:02d}", ADDABLE[i % len(ADDABLE)], 0.7) for i in range(16)]
-            + [Column("blob", "text", 0.5, toast=True)],
+            + [Column("blob", "text", 0.5, toast=True, pinned=True)],
+            # Reads a TOASTed column: an UPDATE leaving it unchanged makes the flusher read the row.
+            generated=[("blob_digest", "text", "md5(coalesce(blob, '')) || ':' || id")],
         ),
     ]
 
@@ -216,6 +224,11 @@ class Workload:
             for table in self.tables:
                 columns = [
                     sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.type)) for c in table.key + table.columns
+                ] + [
+                    sql.SQL("{} {} GENERATED ALWAYS AS ({}) STORED").format(
+                        sql.Identifier(name), sql.SQL(type_), sql.SQL(expression)
+                    )
+                    for name, type_, expression in table.generated
                 ]
                 key = sql.SQL(", ").join(sql.Identifier(c.name) for c in table.key)
                 self.conn.execute(
@@ -330,9 +343,21 @@ class Workload:
 
     def _schema_change(self, table: TableModel) -> str:
         roll = self.rng.random()
-        widenable = [c for c in table.columns if c.type in WIDENINGS]
-        retypable = [c for c in table.columns if c.type in RETYPABLE]
-        if roll < 0.2 or len(table.columns) < 3:
+        widenable = [c for c in table.columns if c.type in WIDENINGS and not c.pinned]
+        retypable = [c for c in table.columns if c.type in RETYPABLE and not c.pinned]
+        droppable = [c for c in table.columns[1:] if not c.pinned]
+        if roll < 0.05:
+            # Rewrites the table, computing a value for every row with no WAL change: an online resync.
+            self._added += 1
+            name, key = f"generated_{self._added}", table.key[-1].name
+            expression = sql.SQL("{}::bigint * 3").format(sql.Identifier(key))
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint GENERATED ALWAYS AS ({}) STORED").format(
+                    table.ident, sql.Identifier(name), expression
+                )
+            )
+            return "add_generated_column"
+        if roll < 0.2 or len(droppable) < 2:
             self._added += 1
             column = Column(f"added_{self._added}", self.rng.choice(ADDABLE), self.rng.choice([0.0, 0.3, 0.9]))
             self.conn.execute(
@@ -383,7 +408,7 @@ class Workload:
                 )
             )
             return "retype_column"
-        column = self.rng.choice(table.columns[1:])
+        column = self.rng.choice(droppable)
         self.conn.execute(sql.SQL("ALTER TABLE {} DROP COLUMN {}").format(table.ident, sql.Identifier(column.name)))
         table.columns.remove(column)
         return "drop_column"
