@@ -90,7 +90,8 @@ def ensure_publication(
     """
     name = config.replication.publication
     row = conn.execute(
-        "SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = %s",
+        "SELECT pubviaroot, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication "
+        "WHERE pubname = %s",
         (name,),
     ).fetchone()
     if row is None:
@@ -107,8 +108,9 @@ def ensure_publication(
                 "or set replication.create_publication: true"
             )
         try:
+            # A partitioned parent's changes are sent as its own (not its leaves'): one Iceberg table.
             conn.execute(
-                sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)").format(
                     sql.Identifier(name),
                     sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables),
                 )
@@ -118,7 +120,14 @@ def ensure_publication(
             # Another process of this pipeline (a snapshot holder, a chunk run) created it just now:
             # DuplicateObject once its CREATE committed, UniqueViolation while it was still in flight.
             return ensure_publication(conn, config, tables, mirrored)
-    if not all(row[1:]):
+    partitioned = [t.key for t in tables if t.partitioned]
+    if partitioned and not row[0]:
+        raise StartupCheckError(
+            f"publication {name} sends the changes of {', '.join(partitioned)} as their partitions' (one table "
+            f"each), not as the partitioned table's; run ALTER PUBLICATION {name} SET (publish_via_partition_root "
+            "= true)"
+        )
+    if not all(row[2:]):
         raise StartupCheckError(
             f"publication {name} does not publish insert, update, delete and truncate; "
             f"run ALTER PUBLICATION {name} SET (publish = 'insert, update, delete, truncate')"

@@ -116,7 +116,8 @@ class InMemoryCoordinationStore:
                 self._tables[table_name] = TableState(table_name, pg_oid, iceberg_table, False, snapshot_lsn or None)
             if not self._chunks.get(table_name):
                 self._chunks[table_name] = [
-                    Chunk(table_name, c.index, c.start_page, c.end_page) for c in sorted(chunks, key=lambda c: c.index)
+                    Chunk(table_name, c.index, c.start_page, c.end_page, leaf=c.leaf)
+                    for c in sorted(chunks, key=lambda c: c.index)
                 ]
             return list(self._chunks[table_name])
 

@@ -137,6 +137,14 @@ MIGRATIONS: list[tuple[int, str]] = [
             REFERENCES _pg2iceberg.snapshot_epochs (epoch);
         """,
     ),
+    (
+        6,
+        """
+        -- A partitioned table's chunks are page ranges of one leaf partition each.
+        ALTER TABLE _pg2iceberg.snapshot_progress ADD COLUMN leaf_schema text;
+        ALTER TABLE _pg2iceberg.snapshot_progress ADD COLUMN leaf_name text;
+        """,
+    ),
 ]
 
 

@@ -72,12 +72,16 @@ class Chunk:
     end_page: int | None
     done: bool = False
     epoch: int | None = None  # the snapshot epoch a done chunk was read in
+    # The leaf partition (schema, name) whose pages these are, for a partitioned table; else None.
+    leaf: tuple[str, str] | None = None
 
     @property
     def partition_key(self) -> str:
-        """A stable name like ``ctid_000000_002048`` (``..._end`` when open-ended)."""
+        """A stable name like ``ctid_000000_002048`` (``..._end`` when open-ended), after the leaf
+        partition's name for a partitioned table (``public.orders_2024.ctid_000000_end``)."""
         end = f"{self.end_page:06d}" if self.end_page is not None else "end"
-        return f"ctid_{self.start_page:06d}_{end}"
+        leaf = f"{self.leaf[0]}.{self.leaf[1]}." if self.leaf is not None else ""
+        return f"{leaf}ctid_{self.start_page:06d}_{end}"
 
 
 @dataclass(frozen=True)
@@ -263,18 +267,19 @@ class CoordinationStore:
             if not exists:
                 with self.conn.cursor() as cursor:
                     cursor.executemany(
-                        "INSERT INTO _pg2iceberg.snapshot_progress (table_name, chunk_index, start_page, end_page) "
-                        "VALUES (%s, %s, %s, %s)",
-                        [(table_name, c.index, c.start_page, c.end_page) for c in chunks],
+                        "INSERT INTO _pg2iceberg.snapshot_progress "
+                        "(table_name, chunk_index, start_page, end_page, leaf_schema, leaf_name) "
+                        "VALUES (%s, %s, %s, %s, %s, %s)",
+                        [(table_name, c.index, c.start_page, c.end_page, *(c.leaf or (None, None))) for c in chunks],
                     )
         return self.chunks(table_name)
 
     def chunks(self, table_name: str) -> list[Chunk]:
         return [
-            Chunk(table_name, index, start, end, status == "done", epoch)
-            for index, start, end, status, epoch in self.conn.execute(
-                "SELECT chunk_index, start_page, end_page, status, epoch FROM _pg2iceberg.snapshot_progress "
-                "WHERE table_name = %s ORDER BY chunk_index",
+            Chunk(table_name, index, start, end, status == "done", epoch, (schema, name) if name is not None else None)
+            for index, start, end, status, epoch, schema, name in self.conn.execute(
+                "SELECT chunk_index, start_page, end_page, status, epoch, leaf_schema, leaf_name "
+                "FROM _pg2iceberg.snapshot_progress WHERE table_name = %s ORDER BY chunk_index",
                 (table_name,),
             )
         ]

@@ -25,7 +25,7 @@ from pyiceberg.table import Table, Transaction
 from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
 
 from ..errors import ResyncRequiredError
-from ..source.catalog import SourceColumn
+from ..source.catalog import SourceColumn, SourceFiles
 from .types import field_ids, iceberg_type
 
 COLUMN_ATTNUMS = "pg2iceberg.column-attnums"
@@ -33,11 +33,27 @@ PENDING_FILLS = "pg2iceberg.pending-fills"
 # The source table's relfilenode as the snapshot (or resync) the rows were read in saw it. Only a
 # rewrite changes it: a type change seen with another one may have changed values (``USING``).
 SOURCE_FILE_NODE = "pg2iceberg.source-relfilenode"
+# A partitioned source table's leaf partitions the rows were read from (JSON: oid -> relfilenode),
+# to find the rows that joined or left it with no WAL change (see source.partitions).
+SOURCE_LEAVES = "pg2iceberg.source-partitions"
 
 
-def file_node_property(node: int | None) -> dict[str, str]:
-    """The table property recording the source's relfilenode the rows were read with."""
-    return {SOURCE_FILE_NODE: str(node)} if node is not None else {}
+def source_files_properties(files: SourceFiles) -> dict[str, str]:
+    """The table properties recording the source files the rows were read from."""
+    properties = {SOURCE_FILE_NODE: str(files.file_node)} if files.file_node is not None else {}
+    if files.leaves is not None:
+        properties[SOURCE_LEAVES] = leaves_property(files.leaves)
+    return properties
+
+
+def leaves_property(leaves: dict[int, int]) -> str:
+    return json.dumps({str(oid): node for oid, node in sorted(leaves.items())})
+
+
+def recorded_leaves(table: Table) -> dict[int, int] | None:
+    """The leaf partitions recorded for ``table`` (None: its source is not partitioned)."""
+    text = table.properties.get(SOURCE_LEAVES)
+    return {int(oid): node for oid, node in json.loads(text).items()} if text else None
 
 
 _WIDENINGS: dict[type[IcebergType], tuple[type[IcebergType], ...]] = {
@@ -354,16 +370,16 @@ def _apply_plan(
 
 
 def rebuild_schema(
-    table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str], file_node: int | None
+    table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str], files: SourceFiles
 ) -> tuple[Transaction, list[str]]:
-    """An open transaction bringing the schema to ``columns`` for rows read again from the source at
-    ``file_node`` (see :func:`_plan`), with ``key`` as the identifier fields and no pending fill, and
+    """An open transaction bringing the schema to ``columns`` for rows read again from the source's
+    ``files`` (see :func:`_plan`), with ``key`` as the identifier fields and no pending fill, and
     what it changes; nothing is committed. Files written with its metadata carry the new field ids:
     they are added to it, then it commits."""
     plan = _plan(table, table_key, columns, rebuild=True)
     transaction = table.transaction()
     _apply_plan(transaction, table, plan, fills={}, key=key)
-    transaction.set_properties(file_node_property(file_node))
+    transaction.set_properties(source_files_properties(files))
     return transaction, plan.changes
 
 

@@ -28,10 +28,20 @@ from ..coordination.protocol import StagedLogStore
 from ..coordination.store import Lag, LogEntry, SnapshotEpoch
 from ..errors import ResyncRequiredError
 from ..faults import crash_point
-from ..iceberg.catalog import table_identifier
-from ..iceberg.evolution import clear_pending_fills, evolve_schema, pending_fills, refuse_unfollowable_retypes
+from ..iceberg.catalog import commit_with_retry, table_identifier
+from ..iceberg.evolution import (
+    SOURCE_LEAVES,
+    clear_pending_fills,
+    evolve_schema,
+    leaves_property,
+    pending_fills,
+    recorded_leaves,
+    refuse_unfollowable_retypes,
+)
 from ..iceberg.types import arrow_schema
+from ..source.connection import connect
 from ..source.lsn import format_lsn
+from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import DELETE, changes_of, read_staged
 from ..staging.store import ObjectStore
@@ -125,6 +135,8 @@ class Materializer:
         self.worker_id = worker_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.group = config.materialize.group
         self._fills_checked: set[str] = set()
+        self._unpartitioned: set[str] = set()
+        self._leaves_seen: dict[str, dict[int, int]] = {}  # leaves found equal to Iceberg's record
 
     @property
     def spark(self) -> Any:
@@ -148,16 +160,19 @@ class Materializer:
         # A batch fills what its table has pending; with no batch to merge, only a snapshot can have
         # left fills (once per process and table, so an idle table costs no catalog read).
         unfilled = self._table_with_fills_left(table_key) if result.lag.changes <= 0 else None
-        if result.lag.changes <= 0 and unfilled is None:
+        leaves = self._leaves_changed(table_key)
+        if result.lag.changes <= 0 and unfilled is None and leaves is None:
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
             # A resync requested since the look above: nothing may be merged past its request.
             if not self._mergeable(table_key, result):
                 return result
-            self._start_spark(table_key, result.timings)
-            if unfilled is not None:
-                self._fill_pending(table_key, unfilled, result.timings)
             try:
+                if leaves is not None:
+                    self._follow_leaves(table_key, leaves)
+                self._start_spark(table_key, result.timings)
+                if unfilled is not None:
+                    self._fill_pending(table_key, unfilled, result.timings)
                 self._apply_rounds(table_key, rounds, max_batches, result)
             except ResyncRequiredError as exc:
                 if not self.config.materialize.auto_resync:
@@ -177,6 +192,51 @@ class Materializer:
             return False
         result.resync_reason = state.resync_reason
         return state.mergeable
+
+    def _leaves_changed(self, table_key: str) -> LeafChange | None:
+        """For a partitioned source table, how its leaf partitions differ from those its Iceberg rows
+        came from (see source.partitions); None when they do not, or the table is not partitioned
+        (its Iceberg table records no leaves: then the source is never asked). Leaves this process
+        found equal to the record are not compared again (no catalog read)."""
+        if table_key in self._unpartitioned:
+            return None
+        identifier = table_identifier(self.config, table_key)
+        recorded = None
+        if table_key not in self._leaves_seen:
+            recorded = recorded_leaves(self.catalog.load_table(identifier))
+            if recorded is None:
+                self._unpartitioned.add(table_key)
+                return None
+        table = self.config.table(table_key)
+        with connect(self.config.source) as conn:
+            oid = partitioned_oid(conn, table.schema_name, table.table_name)
+            if oid is None:
+                return None  # dropped, or recreated unpartitioned: the startup checks refuse it
+            current = leaves(conn, oid)
+            if self._leaves_seen.get(table_key) == leaf_files(current):
+                return None
+            if recorded is None:
+                recorded = recorded_leaves(self.catalog.load_table(identifier)) or {}
+            change = leaf_change(conn, current, recorded)
+        if change.reason is None and change.now == recorded:
+            self._leaves_seen[table_key] = change.now
+            return None
+        return change
+
+    def _follow_leaves(self, table_key: str, change: LeafChange) -> None:
+        """Resync for rows that joined or left with no WAL change; else record the new leaves (created
+        empty, or attached with no row older than the attachment: every row of theirs is streamed)."""
+        if change.reason is not None:
+            raise ResyncRequiredError(table_key, change.reason)
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
+
+        def record() -> None:
+            table.refresh()
+            with table.transaction() as transaction:
+                transaction.set_properties({SOURCE_LEAVES: leaves_property(change.now)})
+
+        commit_with_retry(record)
+        self._leaves_seen[table_key] = change.now
 
     def _apply_rounds(self, table_key: str, rounds: int, max_batches: int | None, result: MergeResult) -> None:
         """Apply batches up to the head, ``rounds`` times (see :meth:`materialize_table`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import psycopg
 import pyarrow as pa
 from psycopg import sql
 from pyiceberg.expressions import AlwaysTrue
@@ -18,9 +19,10 @@ from pyiceberg.table.metadata import TableMetadata
 from ..config import OutOfRange
 from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
-from ..iceberg.evolution import file_node_property, without_pending_fills
+from ..iceberg.evolution import source_files_properties, without_pending_fills
 from ..iceberg.types import arrow_schema
-from ..source.catalog import SourceTable
+from ..source.catalog import SourceFiles, SourceTable, table_pages
+from ..source.partitions import leaves
 from .reader import ArrowReader, conform, select_expressions
 
 MIN_CTID_RANGE_VERSION = 140000
@@ -29,31 +31,58 @@ CHUNK_EPOCH = "pg2iceberg.snapshot-epoch"  # the snapshot epoch they were read i
 RESTART_EPOCH = "pg2iceberg.snapshot-restart-epoch"  # the table emptied to start again in this epoch
 
 
-def plan_chunks(table_name: str, pages: int, chunk_pages: int, server_version: int) -> list[Chunk]:
-    """CTID ranges of ``chunk_pages`` pages covering ``pages``; the last one is open-ended.
+def plan_chunks(
+    table_name: str,
+    pages: int,
+    chunk_pages: int,
+    server_version: int,
+    first: int = 0,
+    leaf: tuple[str, str] | None = None,
+) -> list[Chunk]:
+    """CTID ranges of ``chunk_pages`` pages covering ``pages`` (of the ``leaf`` partition, when
+    given), numbered from ``first``; the last one is open-ended.
 
     Before PostgreSQL 14 a ctid range is a full scan, so the table is one chunk.
     """
     if server_version < MIN_CTID_RANGE_VERSION or pages <= chunk_pages:
-        return [Chunk(table_name, 0, 0, None)]
+        return [Chunk(table_name, first, 0, None, leaf=leaf)]
     count = -(-pages // chunk_pages)
     return [
-        Chunk(table_name, index, index * chunk_pages, (index + 1) * chunk_pages if index < count - 1 else None)
+        Chunk(
+            table_name,
+            first + index,
+            index * chunk_pages,
+            (index + 1) * chunk_pages if index < count - 1 else None,
+            leaf=leaf,
+        )
         for index in range(count)
     ]
 
 
+def plan_table_chunks(conn: psycopg.Connection, source: SourceTable, chunk_pages: int) -> list[Chunk]:
+    """The chunks of a table: its own pages, or a partitioned table's leaves' pages, one leaf after
+    another (the leaves now: one attached or detached since the snapshot is found by the merge's
+    check of the leaves the snapshot saw, see source.partitions)."""
+    version = conn.info.server_version
+    if not source.partitioned:
+        return plan_chunks(source.key, table_pages(conn, source.oid), chunk_pages, version)
+    chunks: list[Chunk] = []
+    for leaf in leaves(conn, source.oid):
+        pages = table_pages(conn, leaf.oid)
+        chunks += plan_chunks(source.key, pages, chunk_pages, version, len(chunks), (leaf.schema_name, leaf.table_name))
+    return chunks
+
+
 def chunk_query(source: SourceTable, chunk: Chunk, rule: OutOfRange) -> sql.Composed:
-    """The chunk's ``SELECT``, a CTID range that runs as a TID Range Scan on PG 14+."""
+    """The chunk's ``SELECT`` (from its leaf partition, for a partitioned table), a CTID range that
+    runs as a TID Range Scan on PG 14+."""
     conditions = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({chunk.start_page},0)"))]
     if chunk.end_page is not None:
         conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({chunk.end_page},0)")))
     where = sql.SQL(" AND ").join(conditions) if chunk.start_page or chunk.end_page is not None else sql.SQL("true")
-    return sql.SQL("SELECT {} FROM {}.{} WHERE {}").format(
-        select_expressions(source.columns, rule),
-        sql.Identifier(source.schema_name),
-        sql.Identifier(source.table_name),
-        where,
+    relation = chunk.leaf or (source.schema_name, source.table_name)
+    return sql.SQL("SELECT {} FROM {} WHERE {}").format(
+        select_expressions(source.columns, rule), sql.Identifier(*relation), where
     )
 
 
@@ -135,9 +164,9 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
     return commit_with_retry(commit)
 
 
-def empty_for_epoch(table: Table, epoch: int, file_node: int | None) -> None:
+def empty_for_epoch(table: Table, epoch: int, files: SourceFiles) -> None:
     """Delete every row of ``table`` before its snapshot starts (again) in ``epoch``, whose snapshot
-    sees the source at ``file_node``. Defaults of added columns pending for the deleted rows go with
+    sees the source's ``files``. Defaults of added columns pending for the deleted rows go with
     them: every row is read again with its columns."""
 
     def commit() -> None:
@@ -145,7 +174,7 @@ def empty_for_epoch(table: Table, epoch: int, file_node: int | None) -> None:
         with table.transaction() as transaction:
             if table.current_snapshot() is not None:
                 transaction.delete(AlwaysTrue(), snapshot_properties={RESTART_EPOCH: str(epoch)})
-            transaction.set_properties({**without_pending_fills(table), **file_node_property(file_node)})
+            transaction.set_properties({**without_pending_fills(table), **source_files_properties(files)})
 
     commit_with_retry(commit)
 

@@ -39,9 +39,9 @@ from ..faults import crash_point
 from ..iceberg.catalog import snapshot_summaries, table_identifier
 from ..iceberg.evolution import rebuild_schema
 from ..iceberg.types import arrow_schema
-from ..source.catalog import SourceTable, file_node_seen_by, table_pages
+from ..source.catalog import SourceTable, source_files_seen_by
 from ..source.connection import connect
-from .chunks import WrittenChunk, plan_chunks, read_chunk, write_chunk
+from .chunks import WrittenChunk, plan_table_chunks, read_chunk, write_chunk
 from .holder import SnapshotHolder
 from .stages import run_chunks
 
@@ -113,8 +113,8 @@ def resync_table(
     with SnapshotHolder(config, store, create_slot=False) as holder:
         result.epoch = holder.advertised.epoch
         store.start_resync_copy(key, result.epoch)
-        node = file_node_seen_by(config.source, source.oid, holder.advertised.name)
-        transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key, node)
+        files = source_files_seen_by(config.source, source, holder.advertised.name)
+        transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key, files)
         result.schema_changes = tuple(changes)
         written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk)
     crash_point("resync.before_switch")
@@ -139,9 +139,7 @@ def _copy(
     metadata = transaction.table_metadata
     schema = arrow_schema(metadata.schema())
     with connect(config.source) as conn:
-        pages = table_pages(conn, source.oid)
-        version = conn.info.server_version
-    chunks = plan_chunks(source.key, pages, config.snapshot.chunk_pages, version)
+        chunks = plan_table_chunks(conn, source, config.snapshot.chunk_pages)
     written: list[WrittenChunk] = []
 
     def keep(_table: SourceTable, batch: list[WrittenChunk]) -> list[tuple[Chunk, int]]:

@@ -27,7 +27,7 @@ from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
 from ..iceberg.evolution import evolve_schema
-from ..source.catalog import SourceTable, file_node_seen_by, table_pages
+from ..source.catalog import SourceTable, source_files_seen_by
 from ..source.connection import connect
 from ..validation import StartupReport
 from .chunks import (
@@ -37,7 +37,7 @@ from .chunks import (
     commit_chunks,
     committed_chunk_markers,
     empty_for_epoch,
-    plan_chunks,
+    plan_table_chunks,
     read_chunk,
     write_chunk,
 )
@@ -115,8 +115,7 @@ class SnapshotRunner:
             lambda: evolve_schema(ensure_table(self.catalog, self.config, table), table.key, table.columns)
         )
         with connect(self.config.source) as conn:
-            pages = table_pages(conn, table.oid)
-        planned = plan_chunks(table.key, pages, self.config.snapshot.chunk_pages, self.report.server_version)
+            planned = plan_table_chunks(conn, table, self.config.snapshot.chunk_pages)
         return self.store.start_table_snapshot(
             table.key, table.oid, ".".join(table_identifier(self.config, table.key)), None, planned
         )
@@ -143,7 +142,7 @@ class SnapshotRunner:
                 )
             if state.snapshot_epoch != epoch:
                 restarted = state.snapshot_epoch is not None or any(c.done for c in self.store.chunks(table.key))
-                empty_for_epoch(iceberg, epoch, file_node_seen_by(self.config.source, table.oid, snapshot.name))
+                empty_for_epoch(iceberg, epoch, source_files_seen_by(self.config.source, table, snapshot.name))
                 self.store.restart_table_snapshot(table.key, epoch)
             committed = committed_chunk_markers(iceberg, epoch)
             for chunk in self.store.chunks(table.key):

@@ -9,8 +9,9 @@ from typing import Any
 import psycopg
 
 from ..config import PostgresConnection, TableConfig
-from ..errors import StartupCheckError
+from ..errors import Pg2IcebergError, StartupCheckError
 from .connection import connect
+from .partitions import leaf_files, leaves
 from .xid_snapshot import imported_snapshot
 
 TEXT_OID = 25
@@ -100,6 +101,7 @@ class SourceTable:
     columns: tuple[SourceColumn, ...]
     primary_key: tuple[str, ...]
     replica_identity: str
+    partitioned: bool = False  # a partitioned parent: its rows are in its leaf partitions
 
     def column(self, name: str) -> SourceColumn:
         for column in self.columns:
@@ -286,8 +288,15 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     if row is None:
         raise StartupCheckError(f"table {table.key} does not exist in the source database")
     oid, relkind, replident = row
-    if relkind != "r":
-        raise StartupCheckError(f"{table.key} is not an ordinary table (relkind {relkind!r}); list its partitions")
+    if relkind not in ("r", "p"):
+        raise StartupCheckError(
+            f"{table.key} is not a table (relkind {relkind!r}); only ordinary and partitioned tables are replicated"
+        )
+    if relkind == "p":
+        try:
+            leaves(conn, oid)
+        except Pg2IcebergError as exc:
+            raise StartupCheckError(f"{table.key}: {exc}") from None
     attributes = table_attributes(conn, oid)
     columns = tuple(attribute_column(attribute, resolver) for attribute in attributes)
     declared_key = tuple(
@@ -331,6 +340,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
         columns=columns,
         primary_key=key,
         replica_identity=replident,
+        partitioned=relkind == "p",
     )
 
 
@@ -342,11 +352,21 @@ def file_node(conn: psycopg.Connection, oid: int) -> int | None:
     return int(row[0]) if row and row[0] else None
 
 
-def file_node_seen_by(target: PostgresConnection, oid: int, snapshot_name: str) -> int | None:
-    """The table's relfilenode as the exported snapshot ``snapshot_name`` sees it (rows read under it
-    are from that file)."""
+@dataclass(frozen=True)
+class SourceFiles:
+    """Where a read of a table under a snapshot took its rows from: the table's relfilenode, and for
+    a partitioned table (which has none) its leaf partitions' (oid -> relfilenode)."""
+
+    file_node: int | None
+    leaves: dict[int, int] | None = None
+
+
+def source_files_seen_by(target: PostgresConnection, source: SourceTable, snapshot_name: str) -> SourceFiles:
+    """The table's files as the exported snapshot ``snapshot_name`` sees them (rows read under it are
+    from those files)."""
     with connect(target) as conn, imported_snapshot(conn, snapshot_name):
-        return file_node(conn, oid)
+        found = leaf_files(leaves(conn, source.oid)) if source.partitioned else None
+        return SourceFiles(file_node(conn, source.oid), found)
 
 
 def table_pages(conn: psycopg.Connection, oid: int) -> int:
@@ -365,6 +385,9 @@ def table_pages(conn: psycopg.Connection, oid: int) -> int:
 def modification_count(conn: psycopg.Connection, oid: int) -> int:
     """Rows inserted, updated and deleted in the table so far (statistics; lag up to about a second)."""
     row = conn.execute(
-        "SELECT coalesce(n_tup_ins + n_tup_upd + n_tup_del, 0) FROM pg_stat_user_tables WHERE relid = %s", (oid,)
+        # A partitioned table's statistics are its partitions' (pg_partition_tree: the table alone otherwise).
+        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables "
+        "WHERE relid IN (SELECT relid FROM pg_partition_tree(%s))",
+        (oid,),
     ).fetchone()
     return int(row[0]) if row else 0

@@ -1,0 +1,135 @@
+"""The leaf partitions of a partitioned source table, and the changes to them no WAL change carries.
+
+A partitioned parent is mirrored as one Iceberg table: the publication sends its leaves' changes as
+the parent's (``publish_via_partition_root``), and the snapshot reads every leaf. Rows also join and
+leave the parent with no WAL change: ``ATTACH PARTITION`` of a table holding rows, ``DETACH`` or
+``DROP`` of a leaf, ``TRUNCATE`` of a leaf alone (pgoutput sends none for a leaf when it publishes
+through the root), a rewrite of a leaf. The mirror records the leaves it has read (oid -> relfilenode,
+in an Iceberg table property) and compares them with the catalog before each merge: any such change
+resyncs the table. A leaf created empty (``CREATE TABLE ... PARTITION OF``), or attached with no row
+older than its attachment, only changes the record: its rows all came through the WAL.
+
+The catalog is read with plain SQL over ``pg_inherits`` and ``pg_class`` (not pg_partition_tree),
+so that inside a transaction on an imported snapshot the leaves are the ones that snapshot sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from ..config import PostgresConnection
+from ..errors import Pg2IcebergError
+from .connection import connect
+from .xid_snapshot import imported_snapshot
+
+_LEAVES = """
+WITH RECURSIVE tree(relid) AS (
+    SELECT inhrelid FROM pg_catalog.pg_inherits WHERE inhparent = %(oid)s
+    UNION ALL
+    SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN tree t ON i.inhparent = t.relid
+)
+SELECT c.oid, n.nspname, c.relname, c.relfilenode, c.relkind
+FROM tree t JOIN pg_catalog.pg_class c ON c.oid = t.relid JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind <> 'p'
+ORDER BY n.nspname, c.relname
+"""
+
+# Whether a leaf holds a row older than the youngest attachment on its path to the root (a frozen
+# row reads as xid 2, the oldest there is): such a row joined the parent with no WAL change.
+_ROWS_OLDER_THAN_ATTACHMENT = """
+WITH RECURSIVE path(relid, parent, attached_age) AS (
+    SELECT inhrelid, inhparent, age(xmin) FROM pg_catalog.pg_inherits WHERE inhrelid = %(leaf)s
+    UNION ALL
+    SELECT i.inhrelid, i.inhparent, least(p.attached_age, age(i.xmin))
+    FROM pg_catalog.pg_inherits i JOIN path p ON i.inhrelid = p.parent
+)
+SELECT EXISTS (SELECT 1 FROM {leaf} WHERE age(xmin) >= (SELECT min(attached_age) FROM path))
+"""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A leaf partition: a table holding rows of the partitioned parent."""
+
+    oid: int
+    schema_name: str
+    table_name: str
+    file_node: int
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema_name}.{self.table_name}"
+
+
+def leaves(conn: psycopg.Connection, oid: int) -> list[Leaf]:
+    """The leaf partitions under ``oid`` at every level, by name; empty for a table that is no parent.
+    A foreign-table leaf is refused: logical replication sends none of its changes."""
+    found = []
+    for leaf_oid, schema_name, table_name, file_node, relkind in conn.execute(_LEAVES, {"oid": oid}):
+        if relkind != "r":
+            raise Pg2IcebergError(
+                f"partition {schema_name}.{table_name} is not an ordinary table (relkind {relkind!r}): logical "
+                "replication does not send its changes"
+            )
+        found.append(Leaf(leaf_oid, schema_name, table_name, file_node))
+    return found
+
+
+def leaf_files(found: list[Leaf]) -> dict[int, int]:
+    """What the mirror records of the leaves it read: oid -> relfilenode."""
+    return {leaf.oid: leaf.file_node for leaf in found}
+
+
+def leaf_files_seen_by(target: PostgresConnection, oid: int, snapshot_name: str) -> dict[int, int]:
+    """The leaves of ``oid`` as the exported snapshot ``snapshot_name`` sees them (what reads under it hold)."""
+    with connect(target) as conn, imported_snapshot(conn, snapshot_name):
+        return leaf_files(leaves(conn, oid))
+
+
+@dataclass(frozen=True)
+class LeafChange:
+    """How the leaves now differ from those the mirror recorded: ``reason`` a change no WAL change
+    carries (the table must be resynced), else None; ``now`` the leaves to record."""
+
+    reason: str | None
+    now: dict[int, int]
+
+
+def partitioned_oid(conn: psycopg.Connection, schema_name: str, table_name: str) -> int | None:
+    """The oid of the table when it is a partitioned table, else None."""
+    row = conn.execute(
+        "SELECT c.oid FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = %s AND c.relkind = 'p'",
+        (schema_name, table_name),
+    ).fetchone()
+    return int(row[0]) if row else None
+
+
+def leaf_change(conn: psycopg.Connection, current: list[Leaf], recorded: dict[int, int]) -> LeafChange:
+    """Compare the ``current`` leaves with the ``recorded`` ones (see the module's docstring)."""
+    now = leaf_files(current)
+    gone = sorted(set(recorded) - set(now))
+    if gone:
+        return LeafChange(
+            f"{len(gone)} partition(s) were detached or dropped (oids {gone}): their rows left with no WAL change", now
+        )
+    rewritten = [leaf.qualified for leaf in current if leaf.oid in recorded and recorded[leaf.oid] != leaf.file_node]
+    if rewritten:
+        return LeafChange(
+            f"partition(s) {', '.join(rewritten)} were truncated or rewritten (a TRUNCATE of a partition alone, "
+            "VACUUM FULL, ALTER COLUMN ... TYPE), which changes rows with no WAL change",
+            now,
+        )
+    for leaf in current:
+        if leaf.oid in recorded:
+            continue
+        query = sql.SQL(_ROWS_OLDER_THAN_ATTACHMENT).format(leaf=sql.Identifier(leaf.schema_name, leaf.table_name))
+        row = conn.execute(query, {"leaf": leaf.oid}).fetchone()
+        if row is not None and row[0]:
+            return LeafChange(
+                f"partition {leaf.qualified} was attached holding rows, which came with no WAL change", now
+            )
+    return LeafChange(None, now)
