@@ -44,8 +44,11 @@ def collect_garbage(config: PipelineConfig, store: CoordinationStore) -> Cleanup
     return result
 
 
-def reset_table(config: PipelineConfig, store: CoordinationStore, catalog: Catalog, table_key: str) -> None:
-    """Forget a table (state, staged log, cursor) and drop its Iceberg table; the next snapshot redoes it."""
+def reset_table(
+    config: PipelineConfig, store: CoordinationStore, catalog: Catalog, table_key: str, drop_iceberg: bool = True
+) -> None:
+    """Forget a table (state, staged log, cursor) and drop its Iceberg table (unless not
+    ``drop_iceberg``); the next snapshot redoes it."""
     objects = ObjectStore(config.staging)
     with store.conn.transaction():
         paths = store.delete_log_entries_before(table_key, 2**62)
@@ -57,8 +60,9 @@ def reset_table(config: PipelineConfig, store: CoordinationStore, catalog: Catal
             store.conn.execute(statement, (table_key,))
     for path in paths:
         objects.delete(path)
-    with contextlib.suppress(NoSuchTableError):
-        catalog.drop_table(table_identifier(config, table_key))
+    if drop_iceberg:
+        with contextlib.suppress(NoSuchTableError):
+            catalog.drop_table(table_identifier(config, table_key))
 
 
 def reset_all(config: PipelineConfig, store: CoordinationStore, catalog: Catalog) -> CleanupResult:

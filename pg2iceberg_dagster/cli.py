@@ -18,8 +18,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .config import load_config
-from .errors import Pg2IcebergError
+from .config import TableConfig, load_config
+from .errors import ConfigError, Pg2IcebergError
+from .lifecycle import remove_tables, run_following_config
 from .pipeline import Pipeline
 from .source.lsn import format_lsn
 from .verify import print_diffs
@@ -120,7 +121,8 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
-    pipeline.run(_stop_on_signals())
+    # A pipeline per version of the config file it follows (``pipeline`` is the first one's config).
+    run_following_config(args.config, _stop_on_signals())
     return 0
 
 
@@ -191,7 +193,17 @@ def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
             f"files deleted: {result.files_deleted}"
         )
         return 0
+    configured = {table.key for table in pipeline.config.tables}
     for table in args.table or []:
+        if table not in configured:
+            # Removed from the config: it stops being mirrored; its Iceberg table (unknown now) stays.
+            try:
+                removed = TableConfig(name=table)
+            except ValueError:
+                raise ConfigError(f"--table {table!r}: expected 'schema.table'") from None
+            remove_tables(pipeline, [removed], drop_iceberg=False)
+            print(f"{table}: not in the config any more; left the publication, state and staged files deleted")
+            continue
         reset_table(pipeline.config, pipeline.store, pipeline.catalog, pipeline.config.table(table).key)
         print(f"{table}: state and Iceberg table dropped; run `snapshot` to mirror it again")
     if not args.table:

@@ -195,6 +195,8 @@ class IcebergConfig(_Strict):
     warehouse: str = "file:///tmp/pg2iceberg/warehouse"
     namespace: str = "{schema}"
     table_properties: dict[str, str] = DEFAULT_TABLE_PROPERTIES
+    # A table removed from the config while ``run`` runs: its Iceberg table is kept unless this is set.
+    drop_removed_tables: bool = False
 
     @field_validator("table_properties")
     @classmethod

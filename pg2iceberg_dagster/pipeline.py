@@ -292,8 +292,15 @@ class Pipeline:
         seconds, default ``materialize.interval_seconds``), so a change waits for one flush interval
         and at most one merge in progress, not for a polling period. The Spark session is created once
         and lives as long as the process.
+
+        The first run snapshots every table before it streams (the snapshot creates the slot). Once a
+        table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
+        background, in a new snapshot epoch, while the others stream and merge.
         """
-        self.snapshot()
+        report = self.validate()  # adds tables new to the config to an owned publication, before streaming
+        states = self.store.table_states()
+        if not any(states[key].snapshot_complete for key in report.tables if key in states):
+            self.snapshot()
         errors: list[BaseException] = []
         staged = threading.Event()
 
@@ -309,13 +316,16 @@ class Pipeline:
         thread = threading.Thread(target=stream, name="flusher", daemon=True)
         thread.start()
         materializer = self.materializer()
-        resyncs = _ResyncWorker(self.config)
+        copies = _CopyWorker(self.config)
         wait = interval if interval is not None else self.config.materialize.interval_seconds
         try:
             while not stop.is_set():
                 staged.clear()  # a flush during the merge below sets it again: merge right after
                 results = materializer.run_once()
-                resyncs.start_next({key: r.resync_reason for key, r in results.items() if r.resync_reason})
+                copies.start_next(
+                    any(r.waiting_for_snapshot for r in results.values()),
+                    {key: r.resync_reason for key, r in results.items() if r.resync_reason},
+                )
                 for result in results.values():
                     if result.batches:
                         log.info(
@@ -330,7 +340,7 @@ class Pipeline:
         finally:
             stop.set()
             thread.join()
-            resyncs.join()
+            copies.join()
         if errors:
             raise errors[0]
 
@@ -402,39 +412,46 @@ class Pipeline:
         }
 
 
-class _ResyncWorker:
-    """``run``'s resyncs: one table at a time, in a thread with its own connections, while the flusher
-    streams and the other tables merge. A failed resync is logged and tried again after a pause."""
+class _CopyWorker:
+    """``run``'s copies of tables: the snapshot of tables added to the config, and resyncs. One at a
+    time, in a thread with its own connections, while the flusher streams and the other tables merge.
+    A failed copy is logged and tried again after a pause."""
 
     RETRY_SECONDS = 60.0
+    SNAPSHOT = "the snapshot of new tables"
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self._thread: threading.Thread | None = None
         self._failed_at: dict[str, float] = {}
 
-    def start_next(self, pending: dict[str, str]) -> None:
-        """Start resyncing the first of ``pending`` (table -> reason) unless one is running."""
+    def start_next(self, snapshot_pending: bool, resyncs: dict[str, str]) -> None:
+        """Start the snapshot (when ``snapshot_pending``), else the first of ``resyncs`` (table ->
+        reason), unless a copy is running or failed too recently."""
         if self._thread is not None and self._thread.is_alive():
             return
         now = time.monotonic()
-        ready = [key for key in pending if now - self._failed_at.get(key, -self.RETRY_SECONDS) >= self.RETRY_SECONDS]
-        if not ready:
-            return
-        key = ready[0]
-        self._thread = threading.Thread(target=self._resync, args=(key, pending[key]), name=f"resync {key}")
-        self._thread.start()
+        jobs = ([self.SNAPSHOT] if snapshot_pending else []) + list(resyncs)
+        ready = [job for job in jobs if now - self._failed_at.get(job, -self.RETRY_SECONDS) >= self.RETRY_SECONDS]
+        if ready:
+            self._thread = threading.Thread(target=self._copy, args=(ready[0], resyncs.get(ready[0])), name=ready[0])
+            self._thread.start()
 
-    def _resync(self, table_key: str, reason: str) -> None:
-        log.warning("resyncing %s online: %s", table_key, reason)
+    def _copy(self, job: str, reason: str | None) -> None:
         try:
-            with Pipeline(self.config) as pipeline:  # a resync needs no Spark
-                result = pipeline.resync(table_key)
-            self._failed_at.pop(table_key, None)
-            log.warning("resynced %s: %d rows in %.1f s", table_key, result.rows, result.seconds)
+            # Neither a snapshot nor a resync needs Spark; the holder process outlives a crash of run.
+            with Pipeline(self.config, detached_holder=True) as pipeline:
+                if job == self.SNAPSHOT:
+                    results = pipeline.snapshot()
+                    log.warning("snapshotted %s", ", ".join(f"{k} ({r.rows} rows)" for k, r in results.items()))
+                else:
+                    log.warning("resyncing %s online: %s", job, reason)
+                    result = pipeline.resync(job)
+                    log.warning("resynced %s: %d rows in %.1f s", job, result.rows, result.seconds)
+            self._failed_at.pop(job, None)
         except Exception:
-            self._failed_at[table_key] = time.monotonic()
-            log.exception("resync of %s failed; trying again in %.0f s", table_key, self.RETRY_SECONDS)
+            self._failed_at[job] = time.monotonic()
+            log.exception("%s failed; trying again in %.0f s", job, self.RETRY_SECONDS)
 
     def join(self) -> None:
         if self._thread is not None:

@@ -149,7 +149,16 @@ def ensure_publication(
             f"while it was out of the publication never reach the mirror. Run ALTER PUBLICATION {name} ADD "
             f"TABLE {names}, then {_cleanup_tables(dropped)} and `snapshot` again"
         )
-    if missing:
+    if missing and config.replication.create_publication:
+        # A table added to the config: the pipeline owns the publication, so it adds the table. Its
+        # changes stream from here on, and its snapshot (taken after this) covers everything before.
+        conn.execute(
+            sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
+                sql.Identifier(name),
+                sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables if t.key in missing),
+            )
+        )
+    elif missing:
         raise StartupCheckError(
             f"publication {name} does not cover {', '.join(missing)}; "
             f"run ALTER PUBLICATION {name} ADD TABLE {', '.join(missing)}"

@@ -274,3 +274,49 @@ def test_a_partitioned_table_runs_its_leaves_chunks_and_merges(source: SourceDb,
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
     assert_mirrored(source.pipeline(source.config(["public.events"])))
+
+
+def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload(
+    source: SourceDb, tmp_path: Path
+) -> None:
+    """After the first table is mirrored, a table added to the config shows up when the definitions
+    are loaded again: the planner registers its chunks, automation requests them, their runs snapshot
+    it in a new epoch (the owned publication gains it first), and its merge makes it equal the source."""
+    for name in ("orders", "customers"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, 'v' || g FROM generate_series(1, 2000) g")
+    ns = f"{source.name}_public"
+    config_path = _write_config(source, tmp_path, ["public.orders"])
+    with instance_for_test() as instance:
+        defs = build_definitions(config_path)
+        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        orders_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "orders_snapshot"]))
+        keys = orders_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+        assert materialize([orders_snapshot], instance=instance, tags=tags).success
+
+        source.execute("UPDATE public.customers SET v = 'before the add' WHERE id <= 10")
+        _write_config(source, tmp_path, ["public.orders", "public.customers"])
+        defs = build_definitions(config_path)  # what a code location reload does
+        customers_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
+        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        keys = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
+        assert evaluation.get_num_requested(customers_snapshot.key) == len(keys) > 1
+        source.execute("UPDATE public.customers SET v = 'during the snapshot' WHERE id BETWEEN 5 AND 15")
+        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+        result = materialize([customers_snapshot], instance=instance, tags=tags)
+        assert result.success
+        materializations = [e.materialization for e in result.get_asset_materialization_events()]
+        assert {m.metadata["snapshot_epoch"].value for m in materializations} == {1}
+        source.execute("UPDATE public.customers SET v = 'after' WHERE id = 1")
+        _tick(defs, "pg2iceberg_flusher", instance, config_path)
+        live = [_assets_def(defs, AssetKey(["iceberg", ns, name])) for name in ("orders", "customers")]
+        merged = materialize(live, instance=instance)
+        assert merged.success
+        assert all(e.passed for e in merged.get_asset_check_evaluations())
+    assert_mirrored(source.pipeline(source.config(["public.orders", "public.customers"])))

@@ -9,8 +9,9 @@ its ``pg_snapshot`` so the materializer can skip the transactions it already sho
 :func:`hold_snapshot` runs a holder in a process (or thread) of its own and advertises the snapshot's
 name and epoch in coordination under an advisory lock. Snapshot processes (the CLI's ``snapshot`` and
 Dagster chunk runs) import it; one killed mid-chunk and started again resumes under the same
-snapshot. The holder lets go once every configured table's snapshot is complete, after
-``max_seconds``, or when no snapshot process has run for ``snapshot.holder_idle_seconds``.
+snapshot. The holder lets go once the snapshot of every table it can serve is complete (the tables
+in the publication as its snapshot sees it: a table added since must start from a newer snapshot),
+after ``max_seconds``, or when no snapshot process has run for ``snapshot.holder_idle_seconds``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import psycopg
 
 from ..config import PipelineConfig, PostgresConnection
 from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
+from ..source.catalog import published_keys
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
 from ..source.replication import create_slot_with_snapshot
-from ..source.xid_snapshot import exported_snapshot_text
+from ..source.xid_snapshot import exported_snapshot_text, imported_snapshot
 
 HOLDER_COMMAND = (sys.executable, "-m", "pg2iceberg_dagster.snapshot.holder_process")
 
@@ -123,11 +125,16 @@ def hold_snapshot(
                 states = store.table_states()
                 return all(key in states and states[key].snapshot_complete for key in keys)
 
-            create_slot = check_startup(config, store).slot is None  # also creates the coordination tables
+            report = check_startup(config, store)  # also creates the coordination tables
+            create_slot = report.slot is None
             store.publish_exported_snapshot(None)  # what a killed holder advertised is void
             if all_complete():
                 return False
             with SnapshotHolder(config, store, create_slot) as holder:
+                # Only tables in the publication as the snapshot sees it can start from it: the holder
+                # lets go once those are complete, for a newer snapshot to serve tables added since.
+                with connect(config.source) as conn, imported_snapshot(conn, holder.advertised.name):
+                    keys = published_keys(conn, config.replication.publication, list(report.tables.values()))
                 store.publish_exported_snapshot(holder.advertised)
                 try:
                     deadline = time.monotonic() + max_seconds

@@ -27,8 +27,9 @@ from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
 from ..iceberg.evolution import evolve_schema
-from ..source.catalog import SourceTable, source_files_seen_by
+from ..source.catalog import SourceTable, published_keys, source_files_seen_by
 from ..source.connection import connect
+from ..source.xid_snapshot import imported_snapshot
 from ..validation import StartupReport
 from .chunks import (
     WrittenChunk,
@@ -58,6 +59,8 @@ ChunkCallback = Callable[[Chunk, int], None]
 # rewrites the table metadata (~25 ms of CPU, growing with snapshots), and chunks arrive faster.
 MIN_COMMIT_INTERVAL_SECONDS = 1.0
 HOLDER_MAX_SECONDS = 6 * 3600
+# How long a run for a table added since waits for the holder of an older snapshot to let go.
+STALE_HOLDER_WAIT_SECONDS = 60.0
 
 
 class SnapshotEpochError(Pg2IcebergError):
@@ -215,7 +218,7 @@ class SnapshotRunner:
         if state is not None and state.snapshot_complete:
             result.chunks_skipped, result.epoch, result.complete = len(wanted), state.snapshot_epoch, True
             return result
-        with self.holding_snapshot() as snapshot:
+        with self.holding_snapshot([table]) as snapshot:
             chunks, result.restarted = self.enter_epoch(table, snapshot)
             by_key = {chunk.partition_key: chunk for chunk in chunks}
             pending = [by_key[key] for key in wanted if not by_key[key].done]
@@ -242,7 +245,7 @@ class SnapshotRunner:
         results = {table.key: TableSnapshotResult() for table in pending}
         if not pending:
             return results
-        with self.holding_snapshot() as snapshot:
+        with self.holding_snapshot(pending) as snapshot:
             work: list[tuple[SourceTable, Chunk]] = []
             for table in pending:
                 chunks, restarted = self.enter_epoch(table, snapshot)
@@ -271,15 +274,40 @@ class SnapshotRunner:
             time.sleep(0.1)
         return None
 
-    @contextmanager
-    def holding_snapshot(self) -> Iterator[AdvertisedSnapshot]:
-        """The exported snapshot to read under, while this process counts as a snapshot worker.
+    def _too_old_for(self, advertised: AdvertisedSnapshot, tables: Sequence[SourceTable]) -> list[str]:
+        """The ``tables`` not yet in the publication as ``advertised`` sees it (added to the config
+        since): their changes between that snapshot and joining the publication never stream."""
+        with connect(self.config.source) as conn, imported_snapshot(conn, advertised.name):
+            covered = published_keys(conn, self.config.replication.publication, tables)
+        return [table.key for table in tables if table.key not in covered]
 
-        A live holder's snapshot is imported; otherwise a holder is started (a detached process with
-        ``detached_holder``, else a thread that stops on leaving) and its snapshot is awaited.
+    def _wait_for_holder_to_let_go(self, advertised: AdvertisedSnapshot, added: list[str]) -> None:
+        """Wait for the holder of a snapshot older than ``added`` tables to let go (it does once the
+        tables it serves are complete); refuse clearly if it does not."""
+        deadline = time.monotonic() + STALE_HOLDER_WAIT_SECONDS
+        while self.store.holder_alive(self.config.replication.slot) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if self.store.holder_alive(self.config.replication.slot):
+            raise StartupCheckError(
+                f"{', '.join(added)} joined the publication after the snapshot of epoch {advertised.epoch} was "
+                "exported, so that snapshot cannot start their mirror; its holder lets go once the tables it serves "
+                "are snapshotted (or after snapshot.holder_idle_seconds idle). Run this again then"
+            )
+
+    @contextmanager
+    def holding_snapshot(self, tables: Sequence[SourceTable]) -> Iterator[AdvertisedSnapshot]:
+        """The exported snapshot to read ``tables`` under, while this process counts as a snapshot worker.
+
+        A live holder's snapshot is imported, unless it was exported before one of ``tables`` joined
+        the publication (then its holder is waited for); otherwise a holder is started (a detached
+        process with ``detached_holder``, else a thread that stops on leaving) and its snapshot is awaited.
         """
         with working_on_snapshot(self.config):
             advertised = self._live_advertised_snapshot()
+            added = self._too_old_for(advertised, tables) if advertised is not None else []
+            if advertised is not None and added:
+                self._wait_for_holder_to_let_go(advertised, added)
+                advertised = None
             if advertised is not None:
                 yield advertised
                 return

@@ -391,3 +391,30 @@ def modification_count(conn: psycopg.Connection, oid: int) -> int:
         (oid,),
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def published_keys(conn: psycopg.Connection, publication: str, tables: Sequence[SourceTable]) -> set[str]:
+    """The keys of ``tables`` the publication covers, read from the catalog tables themselves: inside
+    a transaction on an imported snapshot, as that snapshot sees them. A snapshot taken before a table
+    joined the publication must not be the start of its mirror (its changes in between never stream)."""
+    found = conn.execute(
+        "SELECT oid, puballtables FROM pg_catalog.pg_publication WHERE pubname = %s", (publication,)
+    ).fetchone()
+    if found is None:
+        return set()
+    oid, all_tables = found
+    if all_tables:
+        return {table.key for table in tables}
+    # FOR TABLES IN SCHEMA exists from PostgreSQL 15 on.
+    in_schema = (
+        "OR c.relnamespace IN (SELECT pnnspid FROM pg_catalog.pg_publication_namespace WHERE pnpubid = %(pub)s)"
+        if conn.info.server_version >= 150000
+        else ""
+    )
+    rows = conn.execute(
+        "SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(%(oids)s) AND (c.oid IN "
+        f"(SELECT prrelid FROM pg_catalog.pg_publication_rel WHERE prpubid = %(pub)s) {in_schema})",
+        {"oids": [table.oid for table in tables], "pub": oid},
+    )
+    covered = {relid for (relid,) in rows}
+    return {table.key for table in tables if table.oid in covered}

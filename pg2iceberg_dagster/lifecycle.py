@@ -1,0 +1,116 @@
+"""Tables added to and removed from the config while ``run`` runs.
+
+``run`` watches its config file. When the file changes and parses, the running pipeline stops at its
+next step (the flusher flushes what it holds, a merge finishes) and starts again with the new config:
+
+- a **removed** table stops being mirrored: it leaves the publication (when the pipeline owns it,
+  ``replication.create_publication``), its staged files and coordination rows are deleted, and its
+  Iceberg table is kept, or dropped with ``iceberg.drop_removed_tables``;
+- an **added** table joins the publication (when owned) before the flusher starts with the new config,
+  so no change of it is skipped, and is then snapshotted in a new snapshot epoch in the background
+  while the other tables stream and merge (see ``Pipeline.run``).
+
+A config that does not parse is reported and ignored: the pipeline goes on with the one it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from psycopg import sql
+
+from .cleanup import reset_table
+from .config import PipelineConfig, TableConfig, load_config
+from .errors import Pg2IcebergError
+from .pipeline import Pipeline
+from .source.connection import connect
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 2.0
+
+
+class ConfigWatch:
+    """Sets ``changed`` when the file at ``path`` holds a new valid config (or ``stop`` is set)."""
+
+    def __init__(self, path: str | os.PathLike[str], current: PipelineConfig, stop: threading.Event) -> None:
+        self.path = Path(path)
+        self.current = current
+        self.stop = stop
+        self.changed = threading.Event()
+        self.new_config: PipelineConfig | None = None
+        self._seen = self._stamp()
+        self._thread = threading.Thread(target=self._watch, name="config watch", daemon=True)
+        self._thread.start()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            status = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return status.st_mtime_ns, status.st_size
+
+    def _watch(self) -> None:
+        while not self.changed.is_set():
+            if self.stop.wait(POLL_SECONDS):
+                self.changed.set()
+                return
+            stamp = self._stamp()
+            if stamp == self._seen:
+                continue
+            self._seen = stamp
+            try:
+                config = load_config(self.path)
+            except Pg2IcebergError as exc:
+                log.error("%s changed but is not a valid config; going on with the current one: %s", self.path, exc)
+                continue
+            if config != self.current:
+                self.new_config = config
+                self.changed.set()
+
+
+def remove_tables(pipeline: Pipeline, tables: list[TableConfig], drop_iceberg: bool) -> None:
+    """Stop mirroring ``tables``; ``drop_iceberg`` needs them in ``pipeline``'s config (it names their
+    Iceberg tables)."""
+    config = pipeline.config
+    if config.replication.create_publication:
+        with connect(config.source) as conn:
+            published = {
+                f"{schema}.{name}"
+                for schema, name in conn.execute(
+                    "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
+                    (config.replication.publication,),
+                )
+            }
+            leaving = [table for table in tables if table.key in published]
+            if leaving:
+                conn.execute(
+                    sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
+                        sql.Identifier(config.replication.publication),
+                        sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in leaving),
+                    )
+                )
+    for table in tables:
+        reset_table(config, pipeline.store, pipeline.catalog, table.key, drop_iceberg=drop_iceberg)
+        log.warning("no longer mirroring %s (Iceberg table %s)", table.key, "dropped" if drop_iceberg else "kept")
+
+
+def run_following_config(path: str | os.PathLike[str], stop: threading.Event) -> None:
+    """``run`` with the config at ``path``, following its changes until ``stop`` is set."""
+    config = load_config(path)
+    while True:
+        watch = ConfigWatch(path, config, stop)
+        with Pipeline(config, detached_holder=True) as pipeline:
+            pipeline.run(watch.changed)
+            if stop.is_set() or watch.new_config is None:
+                return
+            new = watch.new_config
+            removed = [t for t in config.tables if t.key not in {n.key for n in new.tables}]
+            added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
+            log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
+            if removed:
+                remove_tables(pipeline, removed, new.iceberg.drop_removed_tables)
+        config = new

@@ -1,0 +1,134 @@
+"""Tables added to and removed from the config of a running ``run``: the added table is snapshotted
+while the others stream, the removed one leaves the publication and its staged log, and a broken
+config is ignored. Every step is checked against the live source, row by row."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pg2iceberg_dagster.cli import main
+from pg2iceberg_dagster.config import PipelineConfig
+from pg2iceberg_dagster.lifecycle import POLL_SECONDS, run_following_config
+from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.staging.store import ObjectStore
+
+from .conftest import SourceDb
+
+pytestmark = pytest.mark.usefixtures("spark")
+
+
+def _write(path: Path, config: PipelineConfig) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+
+
+def _mirrored(source: SourceDb, config: PipelineConfig) -> bool:
+    with Pipeline(config) as probe:
+        probe.store.migrate()  # run may not have created the coordination tables yet
+        states = probe.store.table_states()
+        if not all(key in states and states[key].snapshot_complete for key in (t.key for t in config.tables)):
+            return False
+        return all(diff.ok for diff in probe.verify())
+
+
+def _wait(condition: Callable[[], bool], errors: list[BaseException], what: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not errors:
+        if condition():
+            return
+        time.sleep(1)
+    raise AssertionError(f"not {what}: {errors}")
+
+
+def _published(source: SourceDb, config: PipelineConfig) -> set[str]:
+    rows = source.execute(
+        "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = %s",
+        (config.replication.publication,),
+    )
+    return {name for (name,) in rows}
+
+
+def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceDb, tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, '{name}' FROM generate_series(1, 500) g")
+    only_a = source.config(["public.a"], materialize={"interval_seconds": 0.5})
+    both = source.config(["public.a", "public.b"], materialize={"interval_seconds": 0.5})
+    only_b = source.config(["public.b"], materialize={"interval_seconds": 0.5})
+    path = tmp_path / "pg2iceberg.yaml"
+    _write(path, only_a)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_following_config(path, stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        _wait(lambda: _mirrored(source, only_a), errors, "a mirrored")
+        assert _published(source, only_a) == {"public.a"}
+
+        # Added: b joins the publication and is snapshotted while a keeps streaming.
+        source.execute("UPDATE public.b SET v = 'before the add' WHERE id <= 10")
+        _write(path, both)
+        source.execute("UPDATE public.a SET v = 'while b is added' WHERE id <= 20")
+        source.execute("UPDATE public.b SET v = 'while b is added' WHERE id BETWEEN 5 AND 30")
+        _wait(lambda: _mirrored(source, both), errors, "a and b mirrored")
+        assert _published(source, both) == {"public.a", "public.b"}
+
+        # A broken config is ignored: the pipeline keeps following the last good one.
+        path.write_text("tables: [not a mapping\n")
+        time.sleep(POLL_SECONDS * 2)
+        source.execute("DELETE FROM public.b WHERE id = 1")
+        _wait(lambda: _mirrored(source, both), errors, "still mirrored after a broken config")
+
+        # Removed: a leaves the publication, its state and staged files go, its Iceberg table stays.
+        with Pipeline(both) as probe:
+            staged_before = {entry.path for entry in probe.store.log_entries("public.a", 0, 10**9)}
+        assert staged_before
+        _write(path, only_b)
+        source.execute("INSERT INTO public.b VALUES (1000, 'after a left')")
+        _wait(lambda: _published(source, only_b) == {"public.b"} and _mirrored(source, only_b), errors, "a removed")
+        with Pipeline(only_b) as probe:
+            assert "public.a" not in probe.store.table_states()
+            assert probe.catalog.load_table(f"{source.name}_public.a").scan().to_arrow().num_rows == 500
+        staged_after = set(ObjectStore(both.staging).list())
+        assert not staged_after & staged_before
+    finally:
+        stop.set()
+        runner.join()
+    assert not errors
+
+
+def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(source: SourceDb, tmp_path: Path) -> None:
+    """Outside ``run``: after a table leaves the config, ``cleanup --table`` takes it out of the
+    publication and deletes its state and staged log; the other table keeps streaming exactly."""
+    for name in ("a", "b"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, '{name}' FROM generate_series(1, 50) g")
+    both = source.config(["public.a", "public.b"])
+    pipeline = source.pipeline(both)
+    pipeline.snapshot()
+    source.execute("UPDATE public.b SET v = 'staged' WHERE id < 5")
+    pipeline.stream(until_caught_up=True)
+    only_a = source.config(["public.a"])
+    path = tmp_path / "pg2iceberg.yaml"
+    _write(path, only_a)
+    assert main(["-c", str(path), "cleanup", "--table", "public.b"]) == 0
+    assert _published(source, only_a) == {"public.a"}
+    with Pipeline(only_a) as probe:
+        assert "public.b" not in probe.store.table_states()
+        assert probe.store.log_entries("public.b", 0) == []
+    source.execute("UPDATE public.a SET v = 'after' WHERE id < 5")
+    source.execute("UPDATE public.b SET v = 'not mirrored' WHERE id < 5")
+    assert main(["-c", str(path), "verify", "--catch-up"]) == 0
+    assert main(["-c", str(path), "cleanup", "--table", "nodot"]) == 2
