@@ -14,6 +14,7 @@ from dagster import Definitions
 from assets import Pg2IcebergTranslator, table_definitions
 from jobs import resync_job
 from pg2iceberg_dagster.config import load_config
+from pg2iceberg_dagster.source.selection import resolve_tables
 from resources import Pg2IcebergResource, SparkResource
 from sensors import flusher_sensor, merge_automation_sensor, resync_sensor, snapshot_planner_sensor
 
@@ -26,7 +27,8 @@ def build_definitions(config_path: str | os.PathLike[str], pg2iceberg: Pg2Iceber
     ``pg2iceberg`` overrides the resource (e.g. a source password as ``EnvVar``); the runs, sensors and
     automation conditions all reach the pipeline through it."""
     config_path = str(Path(config_path).resolve())
-    translator = Pg2IcebergTranslator(load_config(config_path))  # the graph's shape: tables and names
+    # The graph's shape: tables (a schema entry's as the source has them at load) and names.
+    translator = Pg2IcebergTranslator(resolve_tables(load_config(config_path)))
     pg2iceberg = pg2iceberg or Pg2IcebergResource(config_path=config_path)
     specs, assets = table_definitions(translator, pg2iceberg)
     resync = resync_job(translator)

@@ -266,11 +266,26 @@ class ValuesConfig(_Strict):
     out_of_range: OutOfRange = "clamp"
 
 
+class SchemaSelection(_Strict):
+    """Every table of a schema whose name matches an ``include`` glob and no ``exclude`` glob
+    (ordinary and partitioned tables, not partitions): ``{schema: app, exclude: ["tmp_*"]}`` in
+    ``tables``. Which tables that is, is read from the source (``source/selection.py``), again as
+    ``run`` goes: a table created there later is mirrored too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_name: str = Field(alias="schema", min_length=1)
+    include: list[str] = ["*"]
+    exclude: list[str] = []
+
+
 class PipelineConfig(_Strict):
     """The whole pipeline: source, tables, replication, state, staging, Iceberg, Spark."""
 
     source: PostgresConnection
     tables: list[TableConfig]
+    # Entries of ``tables`` that name a schema; its tables join ``tables`` once read from the source.
+    schemas: list[SchemaSelection] = []
     replication: ReplicationConfig = ReplicationConfig()
     state: PostgresConnection | None = None
     staging: StagingConfig = StagingConfig()
@@ -281,16 +296,35 @@ class PipelineConfig(_Strict):
     materialize: MaterializeConfig = MaterializeConfig()
     values: ValuesConfig = ValuesConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_entries(cls, data: Any) -> Any:
+        """``tables`` entries with a ``schema`` key select a schema's tables (see SchemaSelection)."""
+        if isinstance(data, dict) and isinstance(data.get("tables"), list):
+            entries = data["tables"]
+            selections = [entry for entry in entries if isinstance(entry, dict) and "schema" in entry]
+            if selections:
+                data = {
+                    **data,
+                    "tables": [entry for entry in entries if entry not in selections],
+                    "schemas": [*data.get("schemas", []), *selections],
+                }
+        return data
+
     @field_validator("tables")
     @classmethod
     def _unique_tables(cls, value: list[TableConfig]) -> list[TableConfig]:
-        if not value:
-            raise ValueError("list at least one table")
         keys = [table.key for table in value]
         duplicates = sorted({key for key in keys if keys.count(key) > 1})
         if duplicates:
             raise ValueError(f"listed more than once: {', '.join(duplicates)}")
         return value
+
+    @model_validator(mode="after")
+    def _some_table(self) -> PipelineConfig:
+        if not self.tables and not self.schemas:
+            raise ValueError("tables: list at least one table (schema.table) or schema ({schema: name})")
+        return self
 
     @model_validator(mode="after")
     def _one_mirror_per_table(self) -> PipelineConfig:

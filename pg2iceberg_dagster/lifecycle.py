@@ -10,7 +10,9 @@ next step (the flusher flushes what it holds, a merge finishes) and starts again
   so no change of it is skipped, and is then snapshotted in a new snapshot epoch in the background
   while the other tables stream and merge (see ``Pipeline.run``).
 
-A config that does not parse is reported and ignored: the pipeline goes on with the one it has.
+The same happens when a schema entry of ``tables`` selects other tables than before (a table
+created or dropped there: DDL has no WAL change, so the catalog is read every poll). A config that
+does not parse is reported and ignored: the pipeline goes on with the one it has.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .config import PipelineConfig, TableConfig, load_config
 from .errors import Pg2IcebergError
 from .pipeline import Pipeline
 from .source.connection import connect
+from .source.selection import resolve_tables
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,14 @@ POLL_SECONDS = 2.0
 
 
 class ConfigWatch:
-    """Sets ``changed`` when the file at ``path`` holds a new valid config (or ``stop`` is set)."""
+    """Sets ``changed`` when the file at ``path`` holds a new valid config, or a schema entry of it
+    selects other tables than ``current`` has (a table created or dropped there), or ``stop`` is set."""
 
-    def __init__(self, path: str | os.PathLike[str], current: PipelineConfig, stop: threading.Event) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], loaded: PipelineConfig, current: PipelineConfig, stop: threading.Event
+    ) -> None:
         self.path = Path(path)
+        self.loaded = loaded  # as the file says, before a schema entry's tables are read
         self.current = current
         self.stop = stop
         self.changed = threading.Event()
@@ -59,13 +66,19 @@ class ConfigWatch:
                 self.changed.set()
                 return
             stamp = self._stamp()
-            if stamp == self._seen:
+            if stamp != self._seen:
+                self._seen = stamp
+                try:
+                    self.loaded = load_config(self.path)
+                except Pg2IcebergError as exc:
+                    log.error("%s changed but is not a valid config; going on with the current one: %s", self.path, exc)
+                    continue
+            elif not self.loaded.schemas:
                 continue
-            self._seen = stamp
             try:
-                config = load_config(self.path)
+                config = resolve_tables(self.loaded, warn=False)
             except Pg2IcebergError as exc:
-                log.error("%s changed but is not a valid config; going on with the current one: %s", self.path, exc)
+                log.error("cannot read the tables of the config's schemas; going on with the current ones: %s", exc)
                 continue
             if config != self.current:
                 self.new_config = config
@@ -100,9 +113,10 @@ def remove_tables(pipeline: Pipeline, tables: list[TableConfig], drop_iceberg: b
 
 def run_following_config(path: str | os.PathLike[str], stop: threading.Event) -> None:
     """``run`` with the config at ``path``, following its changes until ``stop`` is set."""
-    config = load_config(path)
+    loaded = load_config(path)
+    config = resolve_tables(loaded)
     while True:
-        watch = ConfigWatch(path, config, stop)
+        watch = ConfigWatch(path, loaded, config, stop)
         with Pipeline(config, detached_holder=True) as pipeline:
             pipeline.run(watch.changed)
             if stop.is_set() or watch.new_config is None:
@@ -113,4 +127,4 @@ def run_following_config(path: str | os.PathLike[str], stop: threading.Event) ->
             log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
             if removed:
                 remove_tables(pipeline, removed, new.iceberg.drop_removed_tables)
-        config = new
+        loaded, config = watch.loaded, new

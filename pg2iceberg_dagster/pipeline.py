@@ -30,6 +30,7 @@ from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.catalog import modification_count
 from .source.connection import connect
 from .source.lsn import format_lsn
+from .source.selection import resolve_tables
 from .validation import StartupReport, check_startup, slot_info
 from .verify import TableDiff, compare_table
 
@@ -123,7 +124,7 @@ class Pipeline:
     """One configured pipeline. Opens connections lazily; close it when done."""
 
     def __init__(self, config: PipelineConfig, spark_factory: Any = None, detached_holder: bool = False) -> None:
-        self.config = config
+        self.config = resolve_tables(config)  # a schema entry's tables, as the source has them now
         # ``detached_holder``: the snapshot's holder runs as a process that outlives this one (see
         # snapshot.holder), as the CLI and Dagster runs need; else as a thread here.
         self.detached_holder = detached_holder

@@ -289,3 +289,12 @@ def test_secret_value_in_wrong_field_not_echoed() -> None:
     assert "source.port:" in message
     assert "source.password:" in message
     assert SECRET not in message
+
+
+def test_a_schema_entry_selects_a_schema() -> None:
+    """A ``tables`` entry with ``schema`` selects a schema's tables by globs; it may stand alone."""
+    config = parse_config(config_with(tables=[{"schema": "billing", "exclude": ["tmp_*"]}, {"name": "public.orders"}]))
+    assert [(s.schema_name, s.include, s.exclude) for s in config.schemas] == [("billing", ["*"], ["tmp_*"])]
+    assert [t.key for t in config.tables] == ["public.orders"]
+    assert parse_config(config_with(tables=[{"schema": "billing"}])).tables == []
+    assert "schemas.0.includes" in config_error(config_with(tables=[{"schema": "billing", "includes": ["a*"]}]))

@@ -4,9 +4,10 @@ config is ignored. Every step is checked against the live source, row by row."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,15 +54,9 @@ def _published(source: SourceDb, config: PipelineConfig) -> set[str]:
     return {name for (name,) in rows}
 
 
-def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceDb, tmp_path: Path) -> None:
-    for name in ("a", "b"):
-        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
-        source.execute(f"INSERT INTO public.{name} SELECT g, '{name}' FROM generate_series(1, 500) g")
-    only_a = source.config(["public.a"], materialize={"interval_seconds": 0.5})
-    both = source.config(["public.a", "public.b"], materialize={"interval_seconds": 0.5})
-    only_b = source.config(["public.b"], materialize={"interval_seconds": 0.5})
-    path = tmp_path / "pg2iceberg.yaml"
-    _write(path, only_a)
+@contextlib.contextmanager
+def _running(path: Path) -> Iterator[list[BaseException]]:
+    """``run`` following the config at ``path`` in a thread; yields the errors it raised (none, at the end)."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -74,6 +69,24 @@ def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceD
     runner = threading.Thread(target=run)
     runner.start()
     try:
+        yield errors
+    finally:
+        stop.set()
+        runner.join()
+    assert not errors
+
+
+def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceDb, tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, '{name}' FROM generate_series(1, 500) g")
+    only_a = source.config(["public.a"], materialize={"interval_seconds": 0.5})
+    both = source.config(["public.a", "public.b"], materialize={"interval_seconds": 0.5})
+    only_b = source.config(["public.b"], materialize={"interval_seconds": 0.5})
+    path = tmp_path / "pg2iceberg.yaml"
+    _write(path, only_a)
+
+    with _running(path) as errors:
         _wait(lambda: _mirrored(source, only_a), errors, "a mirrored")
         assert _published(source, only_a) == {"public.a"}
 
@@ -103,10 +116,6 @@ def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceD
             assert probe.catalog.load_table(f"{source.name}_public.a").scan().to_arrow().num_rows == 500
         staged_after = set(ObjectStore(both.staging).list())
         assert not staged_after & staged_before
-    finally:
-        stop.set()
-        runner.join()
-    assert not errors
 
 
 def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(source: SourceDb, tmp_path: Path) -> None:
@@ -132,3 +141,44 @@ def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(source: S
     source.execute("UPDATE public.b SET v = 'not mirrored' WHERE id < 5")
     assert main(["-c", str(path), "verify", "--catch-up"]) == 0
     assert main(["-c", str(path), "cleanup", "--table", "nodot"]) == 2
+
+
+def test_a_schema_entry_mirrors_its_tables_and_those_created_later(source: SourceDb, tmp_path: Path) -> None:
+    """``tables: [{schema: app, exclude: [tmp_*]}]`` mirrors the schema's keyed tables (a partitioned
+    one through its parent; a keyless one is left out with a warning); a table created there while
+    ``run`` runs is mirrored without touching the config, and one dropped there stops being mirrored."""
+    source.execute("CREATE SCHEMA app")
+    for statement in [
+        "CREATE TABLE app.a (id int PRIMARY KEY, v text)",
+        "CREATE TABLE app.parted (id int PRIMARY KEY, v text) PARTITION BY RANGE (id)",
+        "CREATE TABLE app.parted_1 PARTITION OF app.parted FOR VALUES FROM (0) TO (100)",
+        "CREATE TABLE app.parted_2 PARTITION OF app.parted FOR VALUES FROM (100) TO (MAXVALUE)",
+        "CREATE TABLE app.keyless (v text)",
+        "CREATE TABLE app.tmp_scratch (id int PRIMARY KEY)",
+        "INSERT INTO app.a SELECT g, 'a' FROM generate_series(1, 300) g",
+        "INSERT INTO app.parted SELECT g, 'p' FROM generate_series(1, 300) g",
+    ]:
+        source.execute(statement)
+    config = source.config([{"schema": "app", "exclude": ["tmp_*"]}], materialize={"interval_seconds": 0.5})
+    assert [s.schema_name for s in config.schemas] == ["app"] and config.tables == []
+    path = tmp_path / "pg2iceberg.yaml"
+    _write(path, config)
+
+    def mirrored(keys: set[str]) -> Callable[[], bool]:
+        def check() -> bool:
+            with Pipeline(config) as probe:
+                return {t.key for t in probe.config.tables} == keys and _mirrored(source, probe.config)
+
+        return check
+
+    with _running(path) as errors:
+        _wait(mirrored({"app.a", "app.parted"}), errors, "the schema's tables mirrored")
+        source.execute("CREATE TABLE app.created_later (id int PRIMARY KEY, v text)")
+        source.execute("INSERT INTO app.created_later SELECT g, 'later' FROM generate_series(1, 100) g")
+        source.execute("UPDATE app.a SET v = 'meanwhile' WHERE id < 10")
+        _wait(mirrored({"app.a", "app.parted", "app.created_later"}), errors, "the created table mirrored")
+        source.execute("DROP TABLE app.a")
+        source.execute("UPDATE app.created_later SET v = 'after the drop' WHERE id < 10")
+        _wait(mirrored({"app.parted", "app.created_later"}), errors, "the dropped table forgotten")
+        with Pipeline(config) as probe:
+            assert "app.a" not in probe.store.table_states()
