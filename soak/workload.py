@@ -119,6 +119,9 @@ class TableModel:
     next_id: int = 1
     # GENERATED ALWAYS AS (...) STORED columns as (name, type, expression): never written to.
     generated: list[tuple[str, str, str]] = field(default_factory=list)
+    # A table partitioned by LIST on its first key column: its list partitions (name -> value); rows
+    # of other values land in its DEFAULT partition.
+    partitions: dict[str, int] | None = None
 
     @property
     def qualified(self) -> str:
@@ -185,6 +188,13 @@ def initial_tables() -> list[TableModel]:
             # Reads a TOASTed column: an UPDATE leaving it unchanged makes the flusher read the row.
             generated=[("blob_digest", "text", "md5(coalesce(blob, '')) || ':' || id")],
         ),
+        TableModel(
+            "public",
+            "parted",
+            [Column("region", "smallint", 0), Column("id", "bigint", 0)],
+            [Column("v", "text", 0.2, toast=True), Column("amount", "numeric(12,2)"), Column("at", "timestamptz")],
+            partitions={"parted_r1": 1, "parted_r2": 2, "parted_r3": 3},
+        ),
     ]
 
 
@@ -231,11 +241,22 @@ class Workload:
                     for name, type_, expression in table.generated
                 ]
                 key = sql.SQL(", ").join(sql.Identifier(c.name) for c in table.key)
+                partitioning = sql.SQL("")
+                if table.partitions is not None:
+                    partitioning = sql.SQL(" PARTITION BY LIST ({})").format(sql.Identifier(table.key[0].name))
                 self.conn.execute(
-                    sql.SQL("CREATE TABLE {} ({}, PRIMARY KEY ({}))").format(
-                        table.ident, sql.SQL(", ").join(columns), key
+                    sql.SQL("CREATE TABLE {} ({}, PRIMARY KEY ({})){}").format(
+                        table.ident, sql.SQL(", ").join(columns), key, partitioning
                     )
                 )
+                for name, value in (table.partitions or {}).items():
+                    self._create_partition(table, name, value)
+                if table.partitions is not None:
+                    self.conn.execute(
+                        sql.SQL("CREATE TABLE {} PARTITION OF {} DEFAULT").format(
+                            sql.Identifier(table.schema, f"{table.name}_default"), table.ident
+                        )
+                    )
             for table in self.tables:
                 self._insert(table, self.initial_rows)
 
@@ -244,7 +265,10 @@ class Workload:
         roll = self.rng.random()
         table = self.rng.choice(self.tables)
         if roll < 0.03 and self.allow_ddl:
-            kind = self._schema_change(table)
+            if table.partitions is not None and self.rng.random() < 0.5:
+                kind = self._partition_change(table)
+            else:
+                kind = self._schema_change(table)
         elif 0.03 <= roll < 0.045:
             kind = "truncate"
             self.conn.execute(sql.SQL("TRUNCATE {}").format(table.ident))
@@ -340,6 +364,64 @@ class Workload:
             condition, values = self._where_key(table, key)
             self.conn.execute(sql.SQL("DELETE FROM {} WHERE {}").format(table.ident, condition), values)
             table.keys.discard(key)
+
+    def _create_partition(self, table: TableModel, name: str, value: int) -> None:
+        self.conn.execute(
+            sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES IN ({})").format(
+                sql.Identifier(table.schema, name), table.ident, sql.Literal(value)
+            )
+        )
+
+    def _partition_change(self, table: TableModel) -> str:
+        """Rows joining or leaving a partitioned table with no WAL change (but for a new empty partition)."""
+        assert table.partitions is not None
+        roll = self.rng.random()
+        self._added += 1
+        if roll < 0.25 or not table.partitions:
+            # Empty, for a value no row has: only recorded, never resynced.
+            name, value = f"{table.name}_new{self._added}", 100 + self._added
+            self._create_partition(table, name, value)
+            table.partitions[name] = value
+            return "create_partition"
+        if roll < 0.5:
+            # A table filled first, then attached: its rows arrive with no WAL change.
+            name, value = f"{table.name}_att{self._added}", 1000 + self._added
+            leaf = sql.Identifier(table.schema, name)
+            self.conn.execute(
+                sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING DEFAULTS INCLUDING GENERATED)").format(leaf, table.ident)
+            )
+            keys = [(str(value), table.new_key(self.rng)[-1]) for _ in range(self.rng.randint(1, 60))]
+            self.conn.execute(
+                sql.SQL("INSERT INTO {} ({}, {}) SELECT * FROM unnest(%s::smallint[], %s::bigint[])").format(
+                    leaf, sql.Identifier(table.key[0].name), sql.Identifier(table.key[1].name)
+                ),
+                ([int(k[0]) for k in keys], [int(k[1]) for k in keys]),
+            )
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES IN ({})").format(
+                    table.ident, leaf, sql.Literal(value)
+                )
+            )
+            table.partitions[name] = value
+            table.keys.update(keys)
+            return "attach_partition"
+        name = self.rng.choice(sorted(table.partitions))
+        leaf = sql.Identifier(table.schema, name)
+        value = table.partitions[name]
+        if roll < 0.7:
+            self.conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(table.ident, leaf))
+            self.conn.execute(sql.SQL("DROP TABLE {}").format(leaf))
+            kind = "detach_partition"
+        elif roll < 0.85:
+            self.conn.execute(sql.SQL("DROP TABLE {}").format(leaf))
+            kind = "drop_partition"
+        else:
+            self.conn.execute(sql.SQL("TRUNCATE {}").format(leaf))
+            table.keys -= {key for key in table.keys if key[0] == str(value)}
+            return "truncate_partition"
+        del table.partitions[name]
+        table.keys -= {key for key in table.keys if key[0] == str(value)}
+        return kind
 
     def _schema_change(self, table: TableModel) -> str:
         roll = self.rng.random()
