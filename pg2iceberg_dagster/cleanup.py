@@ -4,18 +4,21 @@ whole state of one table (to snapshot it again) or of the pipeline."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 from psycopg import sql
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 
-from .config import PipelineConfig
+from .config import PipelineConfig, TableConfig
 from .coordination.migrations import SCHEMA
 from .coordination.store import CoordinationStore
 from .iceberg.catalog import table_identifier
 from .source.connection import connect
 from .staging.store import ObjectStore, staged_file_lsn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +66,34 @@ def reset_table(
     if drop_iceberg:
         with contextlib.suppress(NoSuchTableError):
             catalog.drop_table(table_identifier(config, table_key))
+
+
+def remove_tables(
+    config: PipelineConfig, store: CoordinationStore, catalog: Catalog, tables: list[TableConfig], drop_iceberg: bool
+) -> None:
+    """Stop mirroring ``tables``: out of the publication when the pipeline owns it, state and staged
+    log deleted; their Iceberg tables are dropped only with ``drop_iceberg`` (which needs them in
+    ``config``: it names them)."""
+    if config.replication.create_publication:
+        with connect(config.source) as conn:
+            published = {
+                f"{schema}.{name}"
+                for schema, name in conn.execute(
+                    "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
+                    (config.replication.publication,),
+                )
+            }
+            leaving = [table for table in tables if table.key in published]
+            if leaving:
+                conn.execute(
+                    sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
+                        sql.Identifier(config.replication.publication),
+                        sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in leaving),
+                    )
+                )
+    for table in tables:
+        reset_table(config, store, catalog, table.key, drop_iceberg=drop_iceberg)
+        log.warning("no longer mirroring %s (Iceberg table %s)", table.key, "dropped" if drop_iceberg else "kept")
 
 
 def reset_all(config: PipelineConfig, store: CoordinationStore, catalog: Catalog) -> CleanupResult:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from .config import TableConfig, load_config
 from .errors import ConfigError, Pg2IcebergError
-from .lifecycle import remove_tables, run_following_config
+from .lifecycle import run_following_config
 from .pipeline import Pipeline
 from .source.lsn import format_lsn
 from .verify import print_diffs
@@ -176,7 +176,7 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
-    from .cleanup import collect_garbage, reset_all, reset_table
+    from .cleanup import collect_garbage, remove_tables, reset_all, reset_table
 
     pipeline.store.migrate()
     if args.all:
@@ -201,7 +201,7 @@ def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
                 removed = TableConfig(name=table)
             except ValueError:
                 raise ConfigError(f"--table {table!r}: expected 'schema.table'") from None
-            remove_tables(pipeline, [removed], drop_iceberg=False)
+            remove_tables(pipeline.config, pipeline.store, pipeline.catalog, [removed], drop_iceberg=False)
             print(f"{table}: not in the config any more; left the publication, state and staged files deleted")
             continue
         reset_table(pipeline.config, pipeline.store, pipeline.catalog, pipeline.config.table(table).key)

@@ -114,6 +114,11 @@ class TableConfig(_Strict):
         """Canonical unquoted ``schema.table`` used as the key in coordination tables."""
         return f"{self.schema_name}.{self.table_name}"
 
+    @classmethod
+    def named(cls, schema_name: str, table_name: str) -> TableConfig:
+        """The entry of the table ``schema_name``.``table_name`` (exact names: quoted)."""
+        return cls(name=".".join('"' + part.replace('"', '""') + '"' for part in (schema_name, table_name)))
+
 
 def _unquote(identifier: str) -> str:
     return identifier[1:-1].replace('""', '"') if identifier.startswith('"') else identifier

@@ -22,13 +22,10 @@ import os
 import threading
 from pathlib import Path
 
-from psycopg import sql
-
-from .cleanup import reset_table
-from .config import PipelineConfig, TableConfig, load_config
+from .cleanup import remove_tables
+from .config import PipelineConfig, load_config
 from .errors import Pg2IcebergError
 from .pipeline import Pipeline
-from .source.connection import connect
 from .source.selection import resolve_tables
 
 log = logging.getLogger(__name__)
@@ -85,32 +82,6 @@ class ConfigWatch:
                 self.changed.set()
 
 
-def remove_tables(pipeline: Pipeline, tables: list[TableConfig], drop_iceberg: bool) -> None:
-    """Stop mirroring ``tables``; ``drop_iceberg`` needs them in ``pipeline``'s config (it names their
-    Iceberg tables)."""
-    config = pipeline.config
-    if config.replication.create_publication:
-        with connect(config.source) as conn:
-            published = {
-                f"{schema}.{name}"
-                for schema, name in conn.execute(
-                    "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
-                    (config.replication.publication,),
-                )
-            }
-            leaving = [table for table in tables if table.key in published]
-            if leaving:
-                conn.execute(
-                    sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
-                        sql.Identifier(config.replication.publication),
-                        sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in leaving),
-                    )
-                )
-    for table in tables:
-        reset_table(config, pipeline.store, pipeline.catalog, table.key, drop_iceberg=drop_iceberg)
-        log.warning("no longer mirroring %s (Iceberg table %s)", table.key, "dropped" if drop_iceberg else "kept")
-
-
 def run_following_config(path: str | os.PathLike[str], stop: threading.Event) -> None:
     """``run`` with the config at ``path``, following its changes until ``stop`` is set."""
     loaded = load_config(path)
@@ -126,5 +97,5 @@ def run_following_config(path: str | os.PathLike[str], stop: threading.Event) ->
             added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
             log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
             if removed:
-                remove_tables(pipeline, removed, new.iceberg.drop_removed_tables)
+                remove_tables(config, pipeline.store, pipeline.catalog, removed, new.iceberg.drop_removed_tables)
         loaded, config = watch.loaded, new

@@ -17,7 +17,8 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 
 from .checks import ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
-from .config import PipelineConfig
+from .cleanup import remove_tables
+from .config import PipelineConfig, TableConfig
 from .coordination.store import Chunk, CoordinationStore, Lag
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
@@ -374,6 +375,19 @@ class Pipeline:
                 diffs.append(compare_table(conn, source, iceberg_table, self.config.values.out_of_range))
             conn.rollback()
         return diffs
+
+    def forget_removed_tables(self) -> list[str]:
+        """Stop mirroring the tables the coordination state holds but the config no longer names (see
+        cleanup.remove_tables; their Iceberg tables are kept: only the config could name them); returns
+        their keys."""
+        self.store.migrate()
+        configured = {table.key for table in self.config.tables}
+        removed = sorted(key for key in self.store.table_states() if key not in configured)
+        if removed:
+            # A key is "schema.table" unquoted: split at the first dot (a schema name holding one is misread).
+            tables = [TableConfig.named(*key.split(".", 1)) for key in removed]
+            remove_tables(self.config, self.store, self.catalog, tables, drop_iceberg=False)
+        return removed
 
     def status(self) -> dict[str, Any]:
         """Replication and per-table progress, as plain data."""

@@ -4,9 +4,11 @@ materialized) are requested as one ranged run, which skips the chunks already do
 snapshot is complete, its live table is reported materialized (its data is complete)."""
 
 from dagster import (
+    AddDynamicPartitionsRequest,
     AssetMaterialization,
     AssetSelection,
     DefaultSensorStatus,
+    DeleteDynamicPartitionsRequest,
     RunRequest,
     SensorDefinition,
     SensorEvaluationContext,
@@ -82,13 +84,23 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
         default_status=DefaultSensorStatus.RUNNING,
         description="Stores each table's CTID chunk plan once and exposes it as snapshot partitions; "
         "reruns chunks whose table started over under a new exported snapshot; reports the live table "
-        "once its snapshot is complete.",
+        "once its snapshot is complete; stops mirroring tables removed from the config (their chunk "
+        "partitions, state and staged files go; their Iceberg tables stay).",
         asset_selection=AssetSelection.assets(*[translator.snapshot_key(t) for t in translator.config.tables]),
     )
     def _planner(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
-        requests, runs, events = [], [], []
+        requests: list[AddDynamicPartitionsRequest | DeleteDynamicPartitionsRequest] = []
+        runs, events = [], []
         with pg2iceberg.pipeline() as pipeline:
+            # Tables gone from the config: stop mirroring them, and their chunk partitions go too.
+            for key in pipeline.forget_removed_tables():
+                name = translator.partitions_name(TableConfig.named(*key.split(".", 1)))
+                if stale := context.instance.get_dynamic_partitions(name):
+                    requests.append(DeleteDynamicPartitionsRequest(partitions_def_name=name, partition_keys=stale))
+            configured = {table.key for table in pipeline.config.tables}
             for table in translator.config.tables:
+                if table.key not in configured:
+                    continue  # removed from the file, still in this graph until the code location reloads
                 plan = pipeline.snapshot_plan(table.key)
                 partitions = partitions_def(translator, table)
                 known = set(partitions.get_partition_keys(dynamic_partitions_store=context.instance))

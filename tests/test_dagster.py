@@ -320,3 +320,36 @@ def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload
         assert merged.success
         assert all(e.passed for e in merged.get_asset_check_evaluations())
     assert_mirrored(source.pipeline(source.config(["public.orders", "public.customers"])))
+
+
+def test_a_table_removed_from_the_config_leaves_no_state_or_partitions(source: SourceDb, tmp_path: Path) -> None:
+    """After a reload without a table, the planner sensor stops mirroring it: out of the publication,
+    no coordination state, no chunk partitions left in the instance; its Iceberg table stays."""
+    for name in ("orders", "customers"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, 'v' || g FROM generate_series(1, 500) g")
+    config_path = _write_config(source, tmp_path, ["public.orders", "public.customers"])
+    ns = f"{source.name}_public"
+    with instance_for_test() as instance:
+        defs = build_definitions(config_path)
+        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        for request in planned.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        customers = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
+        name = customers.partitions_def.name
+        keys = instance.get_dynamic_partitions(name)
+        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+        assert materialize([customers], instance=instance, tags=tags).success
+
+        _write_config(source, tmp_path, ["public.orders"])
+        defs = build_definitions(config_path)
+        ticked = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+        deletions = [r for r in ticked.dynamic_partitions_requests if r.partitions_def_name == name]
+        assert [sorted(r.partition_keys) for r in deletions] == [sorted(keys)]
+        published = source.execute(
+            "SELECT tablename FROM pg_publication_tables WHERE pubname = %s", (f"pub_{source.name}",)
+        )
+        assert published == [("orders",)]
+        with source.pipeline(source.config(["public.orders"])) as pipeline:
+            assert "public.customers" not in pipeline.store.table_states()
+            assert pipeline.catalog.load_table(f"{ns}.customers").scan().to_arrow().num_rows == 500

@@ -22,10 +22,6 @@ from .connection import connect
 log = logging.getLogger(__name__)
 
 
-def _quoted(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
 def selected_tables(
     conn: psycopg.Connection, selections: Sequence[SchemaSelection]
 ) -> tuple[list[tuple[str, str]], list[str]]:
@@ -70,7 +66,7 @@ def resolve_tables(config: PipelineConfig, warn: bool = True) -> PipelineConfig:
         )
     named = {table.key for table in config.tables}
     added = [
-        TableConfig(name=f"{_quoted(schema_name)}.{_quoted(table_name)}")
+        TableConfig.named(schema_name, table_name)
         for schema_name, table_name in found
         if f"{schema_name}.{table_name}" not in named
     ]
