@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 import yaml
 from dagster import (
+    AddDynamicPartitionsRequest,
     AssetKey,
     DagsterInstance,
     DefaultSensorStatus,
@@ -57,6 +58,16 @@ def _tick(defs: Definitions, name: str, instance: DagsterInstance, config_path: 
         return sensor(context)
 
 
+def _plan_partitions(defs: Definitions, instance: DagsterInstance, config_path: str) -> SensorResult:
+    """Tick the planner sensor and add the chunk partitions it registers (as the daemon would)."""
+    planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
+    assert isinstance(planned, SensorResult)
+    for request in planned.dynamic_partitions_requests:
+        if isinstance(request, AddDynamicPartitionsRequest):
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return planned
+
+
 def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None:
     source.execute(
         "CREATE TABLE public.orders (id int PRIMARY KEY); CREATE TABLE public.customers (id int PRIMARY KEY)"
@@ -93,10 +104,7 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
 
     with instance_for_test() as instance:
         # The planner sensor registers the CTID chunk partitions.
-        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        assert isinstance(planned, SensorResult)
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        _plan_partitions(defs, instance, config_path)
         order_keys = orders_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert len(order_keys) > 2 and order_keys[0] == "ctid_000000_000008" and order_keys[-1].endswith("_end")
 
@@ -188,10 +196,8 @@ def test_live_table_reported_after_its_chunks_show_materialized(source: SourceDb
     ns = f"{source.name}_public"
     snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "items_snapshot"]))
     with instance_for_test() as instance:
-        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        assert isinstance(planned, SensorResult) and not planned.asset_events, "chunks not materialized yet"
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        planned = _plan_partitions(defs, instance, config_path)
+        assert not planned.asset_events, "chunks not materialized yet"
         keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert len(keys) > 1
         tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
@@ -260,9 +266,7 @@ def test_a_partitioned_table_runs_its_leaves_chunks_and_merges(source: SourceDb,
     snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "events_snapshot"]))
     live = _assets_def(defs, AssetKey(["iceberg", ns, "events"]))
     with instance_for_test() as instance:
-        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        _plan_partitions(defs, instance, config_path)
         keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert {key.rsplit(".ctid_", 1)[0] for key in keys} == {"public.events_eu", "public.events_us"}
         tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
@@ -289,9 +293,7 @@ def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload
     config_path = _write_config(source, tmp_path, ["public.orders"])
     with instance_for_test() as instance:
         defs = build_definitions(config_path)
-        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        _plan_partitions(defs, instance, config_path)
         orders_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "orders_snapshot"]))
         keys = orders_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
@@ -301,9 +303,7 @@ def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload
         _write_config(source, tmp_path, ["public.orders", "public.customers"])
         defs = build_definitions(config_path)  # what a code location reload does
         customers_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
-        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        _plan_partitions(defs, instance, config_path)
         keys = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
         assert evaluation.get_num_requested(customers_snapshot.key) == len(keys) > 1
@@ -332,9 +332,7 @@ def test_a_table_removed_from_the_config_leaves_no_state_or_partitions(source: S
     ns = f"{source.name}_public"
     with instance_for_test() as instance:
         defs = build_definitions(config_path)
-        planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        for request in planned.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        _plan_partitions(defs, instance, config_path)
         customers = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
         name = customers.partitions_def.name
         keys = instance.get_dynamic_partitions(name)
