@@ -168,6 +168,7 @@ class Scenario:
         self.result = ScenarioResult(seed)
         self.workload = Workload(cluster.conninfo(self.name), seed, profile.initial_rows, profile.big_rows)
         self.config_path: Path | None = None
+        self.removed: str | None = None  # a table taken out of the config for now
 
     def run(self) -> ScenarioResult:
         started = time.monotonic()
@@ -276,6 +277,8 @@ class Scenario:
             self._record_death(fault, code)
             if self.rng.random() < 0.5:
                 self._pipeline_call(self._merge)  # a merge while the log keeps growing
+            if self.rng.random() < 0.2:
+                self._change_tables()
 
     def _merge(self, pipeline: Pipeline) -> None:
         """Merge every table; resync those a merge found the WAL cannot follow (in a child that may die
@@ -300,7 +303,31 @@ class Scenario:
         with Pipeline(config, spark_factory=lambda: self.spark) as pipeline:
             return action(pipeline)
 
+    def _change_tables(self) -> None:
+        """Take a table out of the config (``cleanup --table`` stops mirroring it while it keeps being
+        written) or put the one taken out back (a ``snapshot`` child copies it again in a new epoch,
+        under writes, and the stream goes on with it)."""
+        keys = self.workload.table_keys()
+        if self.removed is None:
+            self.removed = self.rng.choice(keys)
+            self.config_path = write_config(
+                self.cluster, self.name, [k for k in keys if k != self.removed], self.directory
+            )
+            self._record_death(None, self._child(["cleanup", "--table", self.removed], None).wait(300))
+            self.workload.kinds["remove_table"] += 1
+            return
+        self.removed = None
+        self.config_path = write_config(self.cluster, self.name, keys, self.directory)
+        self.workload.allow_ddl = False  # a rewrite under a snapshot is not MVCC-safe (see the snapshot phase)
+        child = self._child(["snapshot"], None)
+        self._writes_while(child, 5, None)
+        self._record_death(None, child.wait(600))
+        self.workload.allow_ddl = True
+        self.workload.kinds["add_table"] += 1
+
     def _finish(self) -> None:
+        if self.removed is not None:
+            self._change_tables()  # every table is verified at the end
         if self.rng.random() < self.profile.materialize_fault_rate:
             self._pipeline_call(lambda p: p.stream(until_caught_up=True))
             child = self._child(["materialize", "--once"], MATERIALIZE_FAULT)
