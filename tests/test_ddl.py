@@ -141,3 +141,23 @@ def test_a_column_dropped_and_added_again_under_its_name_is_a_new_column(source:
     assert_mirrored(pipeline)
     names = pipeline.catalog.load_table(f"{source.name}_public.things").schema().column_names
     assert [n for n in names if n.startswith("v__dropped_")] == ["v__dropped_2"]
+
+
+def test_ddl_on_a_table_nobody_writes_reaches_iceberg(source: SourceDb) -> None:
+    """pgoutput describes a table only with its next row change: an ALTER followed by no write must
+    still reach Iceberg (the merge reads the catalog when nothing is staged): a column added with a
+    default, one renamed, one widened in place."""
+    source.execute('CREATE TABLE public."Quiet" (id int PRIMARY KEY, v text, price numeric(8, 2))')
+    source.execute('INSERT INTO public."Quiet" SELECT g, \'v\', g FROM generate_series(1, 20) g')
+    source.execute("CREATE TABLE public.busy (id int PRIMARY KEY)")
+    pipeline = source.pipeline(source.config(['public."Quiet"', "public.busy"]))
+    pipeline.snapshot()
+    sync(pipeline)
+    source.execute('ALTER TABLE public."Quiet" ADD COLUMN flag int DEFAULT 7')
+    source.execute('ALTER TABLE public."Quiet" RENAME COLUMN v TO label')
+    source.execute('ALTER TABLE public."Quiet" ALTER COLUMN price TYPE numeric(12, 2)')
+    source.execute("INSERT INTO public.busy VALUES (1)")
+    sync(pipeline)
+    assert pipeline.resyncs_pending() == {}
+    assert_mirrored(pipeline)
+    assert set(_field_ids(pipeline, source, "Quiet")) == {"id", "label", "price", "flag"}

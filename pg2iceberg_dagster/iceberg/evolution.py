@@ -383,6 +383,15 @@ def rebuild_schema(
     return transaction, plan.changes
 
 
+def rebuild_schema_now(table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str]) -> list[str]:
+    """Commit :func:`rebuild_schema` (when it changes anything) for a table whose rows are all about
+    to be deleted and read again; returns what changed."""
+    transaction, changes = rebuild_schema(table, table_key, columns, key, SourceFiles(None))
+    if changes:
+        transaction.commit_transaction()
+    return changes
+
+
 def without_pending_fills(table: Table, done: Sequence[int] | None = None) -> dict[str, str]:
     """The pending-fill property with the fills of ``done`` (default: all) removed, to set in a commit."""
     fills = _json_property(table, PENDING_FILLS) if done is not None else {}

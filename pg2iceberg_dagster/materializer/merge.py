@@ -9,6 +9,7 @@ a newer change.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -26,7 +27,7 @@ from pyiceberg.table import Table
 from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.store import Lag, LogEntry, SnapshotEpoch
-from ..errors import ResyncRequiredError
+from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, table_identifier
 from ..iceberg.evolution import (
@@ -37,8 +38,10 @@ from ..iceberg.evolution import (
     pending_fills,
     recorded_leaves,
     refuse_unfollowable_retypes,
+    schema_follows_source,
 )
 from ..iceberg.types import arrow_schema
+from ..source.catalog import SourceColumn, TypeResolver, describe_table, file_node
 from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
@@ -115,6 +118,25 @@ class PreparedBatch:
     vectorized: bool
 
 
+log = logging.getLogger(__name__)
+
+# The live columns of a table (name, type, default, position): any DDL the schema follows changes it.
+_COLUMNS_SIGNATURE = """
+SELECT string_agg(concat_ws(':', attnum, attname, atttypid, atttypmod, atthasdef, attgenerated), ',' ORDER BY attnum)
+FROM pg_catalog.pg_attribute
+WHERE attrelid = to_regclass(quote_ident(%s) || '.' || quote_ident(%s)) AND attnum > 0 AND NOT attisdropped
+"""
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A table's columns as the catalog describes them now, its relfilenode and their signature."""
+
+    columns: tuple[SourceColumn, ...]
+    file_node: int | None
+    signature: str
+
+
 class Materializer:
     """Merges each table's staged log into its Iceberg table through Spark."""
 
@@ -137,6 +159,7 @@ class Materializer:
         self._fills_checked: set[str] = set()
         self._unpartitioned: set[str] = set()
         self._leaves_seen: dict[str, dict[int, int]] = {}  # leaves found equal to Iceberg's record
+        self._columns_seen: dict[str, str] = {}  # column signatures the Iceberg schema was found to follow
 
     @property
     def spark(self) -> Any:
@@ -161,7 +184,8 @@ class Materializer:
         # left fills (once per process and table, so an idle table costs no catalog read).
         unfilled = self._table_with_fills_left(table_key) if result.lag.changes <= 0 else None
         leaves = self._leaves_changed(table_key)
-        if result.lag.changes <= 0 and unfilled is None and leaves is None:
+        described = self._columns_changed(table_key) if result.lag.changes <= 0 else None
+        if result.lag.changes <= 0 and unfilled is None and leaves is None and described is None:
             return result
         with self.store.writer_lease(self.group, table_key, self.worker_id):
             # A resync requested since the look above: nothing may be merged past its request.
@@ -170,6 +194,8 @@ class Materializer:
             try:
                 if leaves is not None:
                     self._follow_leaves(table_key, leaves)
+                if described is not None:
+                    unfilled = self._follow_columns(table_key, described, result) or unfilled
                 self._start_spark(table_key, result.timings)
                 if unfilled is not None:
                     self._fill_pending(table_key, unfilled, result.timings)
@@ -222,6 +248,39 @@ class Materializer:
             self._leaves_seen[table_key] = change.now
             return None
         return change
+
+    def _columns_changed(self, table_key: str) -> _Described | None:
+        """The table as the catalog describes it now (and the signature of its columns), when its
+        columns changed since this process last looked and the Iceberg schema does not follow them
+        yet. pgoutput describes a table only with its next row change: without this, a column added
+        (with a DEFAULT older rows read) to a table nobody writes would stay missing in Iceberg."""
+        config = self.config.table(table_key)
+        try:
+            conn = connect(self.config.source)
+        except Pg2IcebergError as exc:  # the staged log merges without the source; this waits for it
+            log.warning("%s: not comparing its columns with the source's now: %s", table_key, exc)
+            return None
+        with conn:
+            row = conn.execute(_COLUMNS_SIGNATURE, (config.schema_name, config.table_name)).fetchone()
+            signature = row[0] if row else None
+            if signature is None or self._columns_seen.get(table_key) == signature:
+                return None
+            source = describe_table(conn, config, TypeResolver(conn))
+            described = _Described(source.columns, file_node(conn, source.oid), signature)
+        iceberg = self.catalog.load_table(table_identifier(self.config, table_key))
+        if not schema_follows_source(iceberg, source.columns):
+            self._columns_seen[table_key] = signature
+            return None
+        return described
+
+    def _follow_columns(self, table_key: str, described: _Described, result: MergeResult) -> Table | None:
+        """Evolve the schema to the columns the catalog describes (see :meth:`_columns_changed`);
+        returns the table when that left defaults to fill."""
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        result.schema_changes += tuple(evolve_schema(table, table_key, described.columns, described.file_node))
+        self._columns_seen[table_key] = described.signature
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        return table if pending_fills(table) else None
 
     def _follow_leaves(self, table_key: str, change: LeafChange) -> None:
         """Resync for rows that joined or left with no WAL change; else record the new leaves (created

@@ -26,7 +26,7 @@ from ..coordination.store import AdvertisedSnapshot, Chunk, CoordinationStore
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
-from ..iceberg.evolution import evolve_schema
+from ..iceberg.evolution import evolve_schema, rebuild_schema_now
 from ..source.catalog import SourceTable, published_keys, source_files_seen_by
 from ..source.connection import connect
 from ..source.xid_snapshot import imported_snapshot
@@ -113,10 +113,19 @@ class SnapshotRunner:
         """Create the Iceberg table and store the chunk plan once; returns the stored plan.
 
         A table created by an earlier process follows the columns as they are now: a column renamed
-        or added meanwhile is read under its new name by this process's chunks."""
-        commit_with_retry(
-            lambda: evolve_schema(ensure_table(self.catalog, self.config, table), table.key, table.columns)
-        )
+        or added meanwhile is read under its new name by this process's chunks. An Iceberg table
+        this pipeline has no state for (kept after the table left the config, which it rejoins now)
+        is rebuilt to the source's columns instead: every row is read again."""
+        fresh = self.store.table_state(table.key) is None
+
+        def follow() -> None:
+            iceberg = ensure_table(self.catalog, self.config, table)
+            if fresh:
+                rebuild_schema_now(iceberg, table.key, table.columns, table.primary_key)
+            else:
+                evolve_schema(iceberg, table.key, table.columns)
+
+        commit_with_retry(follow)
         with connect(self.config.source) as conn:
             planned = plan_table_chunks(conn, table, self.config.snapshot.chunk_pages)
         return self.store.start_table_snapshot(
