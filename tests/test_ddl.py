@@ -161,3 +161,23 @@ def test_ddl_on_a_table_nobody_writes_reaches_iceberg(source: SourceDb) -> None:
     assert pipeline.resyncs_pending() == {}
     assert_mirrored(pipeline)
     assert set(_field_ids(pipeline, source, "Quiet")) == {"id", "label", "price", "flag"}
+
+
+def test_a_rename_and_a_drop_before_the_flusher_reads_resync_instead_of_stalling(source: SourceDb) -> None:
+    """Changes written before ``RENAME COLUMN id`` and ``DROP COLUMN`` that the flusher reads only after
+    both: their columns cannot be told apart by name or position any more. The key's values would
+    land nowhere and the merge would fail on every retry; it requests a resync instead."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, gone text, v text)")
+    source.execute("INSERT INTO public.items SELECT g, 'g', 'v' FROM generate_series(1, 30) g")
+    pipeline = source.pipeline(source.config(["public.items"]))
+    pipeline.snapshot()
+    source.execute("UPDATE public.items SET v = 'before' WHERE id <= 5")
+    source.execute("ALTER TABLE public.items RENAME COLUMN id TO ident")
+    source.execute("ALTER TABLE public.items DROP COLUMN gone")
+    source.execute("UPDATE public.items SET v = 'after' WHERE ident > 25")
+    pipeline.stream(until_caught_up=True)
+    result = pipeline.materialize()["public.items"]
+    assert "could not be told apart" in (result.resync_reason or ""), result
+    pipeline.resync("public.items")
+    sync(pipeline)
+    assert_mirrored(pipeline)

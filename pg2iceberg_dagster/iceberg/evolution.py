@@ -253,6 +253,29 @@ def _plan(
     return plan
 
 
+def refuse_unidentified_columns(table: Table, table_key: str, versions: Sequence[Sequence[SourceColumn]]) -> None:
+    """A staged column whose identity the flusher could not tell (a RENAME and a DROP COLUMN of the
+    table before it read the changes in between) and whose name no Iceberg field has: its values
+    would land nowhere (a key column's too, and the merge could never fold them). The table is
+    resynced instead."""
+    schema = table.schema()
+    attnums = column_attnums(table)
+    lost = sorted(
+        {
+            column.name
+            for columns in versions
+            for column in columns
+            if column.attnum is None and field_for(schema, attnums, column) is None
+        }
+    )
+    if lost:
+        raise ResyncRequiredError(
+            table_key,
+            f"column(s) {', '.join(lost)} of changes staged before a RENAME and a DROP COLUMN could not be told "
+            "apart from the columns now (the flusher read them after both), so their values have no place",
+        )
+
+
 def _refuse_incompatible_type(table_key: str, column: str, was: IcebergType, now: IcebergType) -> None:
     raise ResyncRequiredError(
         table_key,

@@ -38,6 +38,7 @@ from ..iceberg.evolution import (
     pending_fills,
     recorded_leaves,
     refuse_unfollowable_retypes,
+    refuse_unidentified_columns,
     schema_follows_source,
 )
 from ..iceberg.types import arrow_schema
@@ -375,6 +376,8 @@ class Materializer:
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
+            # Against the schema as evolved (a rename just applied takes the old name away).
+            refuse_unidentified_columns(table, table_key, [relation.columns for relation, _ in staged])
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
             staged = align_batches(staged, table)
             if can_fold_vectorized(staged):
