@@ -31,11 +31,11 @@ import psycopg
 
 from ..config import PipelineConfig, PostgresConnection
 from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
-from ..source.catalog import published_keys
+from ..source.catalog import published_keys_seen_by
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
 from ..source.replication import create_slot_with_snapshot
-from ..source.xid_snapshot import exported_snapshot_text, imported_snapshot
+from ..source.xid_snapshot import exported_snapshot_text
 
 HOLDER_COMMAND = (sys.executable, "-m", "pg2iceberg_dagster.snapshot.holder_process")
 
@@ -133,8 +133,9 @@ def hold_snapshot(
             with SnapshotHolder(config, store, create_slot) as holder:
                 # Only tables in the publication as the snapshot sees it can start from it: the holder
                 # lets go once those are complete, for a newer snapshot to serve tables added since.
-                with connect(config.source) as conn, imported_snapshot(conn, holder.advertised.name):
-                    keys = published_keys(conn, config.replication.publication, list(report.tables.values()))
+                keys = published_keys_seen_by(
+                    config.source, holder.advertised.name, config.replication.publication, list(report.tables.values())
+                )
                 store.publish_exported_snapshot(holder.advertised)
                 try:
                     deadline = time.monotonic() + max_seconds

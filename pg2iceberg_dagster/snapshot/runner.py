@@ -27,9 +27,8 @@ from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
 from ..iceberg.evolution import evolve_schema, rebuild_schema_now
-from ..source.catalog import SourceTable, published_keys, source_files_seen_by
+from ..source.catalog import SourceTable, published_keys_seen_by, source_files_seen_by
 from ..source.connection import connect
-from ..source.xid_snapshot import imported_snapshot
 from ..validation import StartupReport
 from .chunks import (
     WrittenChunk,
@@ -278,25 +277,29 @@ class SnapshotRunner:
         advertised = self.store.exported_snapshot(holder_lock_key(self.config))
         if advertised is None or snapshot_importable(self.config.source, advertised.name):
             return advertised
-        deadline = time.monotonic() + timeout
-        while self.store.holder_alive(self.config.replication.slot) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        self._holder_gone_within(timeout)
         return None
+
+    def _holder_gone_within(self, timeout: float, poll: float = 0.1) -> bool:
+        """Wait up to ``timeout`` seconds for no holder to be alive; whether none is."""
+        deadline = time.monotonic() + timeout
+        while self.store.holder_alive(self.config.replication.slot):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
 
     def _too_old_for(self, advertised: AdvertisedSnapshot, tables: Sequence[SourceTable]) -> list[str]:
         """The ``tables`` not yet in the publication as ``advertised`` sees it (added to the config
         since): their changes between that snapshot and joining the publication never stream."""
-        with connect(self.config.source) as conn, imported_snapshot(conn, advertised.name):
-            covered = published_keys(conn, self.config.replication.publication, tables)
+        publication = self.config.replication.publication
+        covered = published_keys_seen_by(self.config.source, advertised.name, publication, tables)
         return [table.key for table in tables if table.key not in covered]
 
     def _wait_for_holder_to_let_go(self, advertised: AdvertisedSnapshot, added: list[str]) -> None:
         """Wait for the holder of a snapshot older than ``added`` tables to let go (it does once the
         tables it serves are complete); refuse clearly if it does not."""
-        deadline = time.monotonic() + STALE_HOLDER_WAIT_SECONDS
-        while self.store.holder_alive(self.config.replication.slot) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if self.store.holder_alive(self.config.replication.slot):
+        if not self._holder_gone_within(STALE_HOLDER_WAIT_SECONDS, poll=0.5):
             raise StartupCheckError(
                 f"{', '.join(added)} joined the publication after the snapshot of epoch {advertised.epoch} was "
                 "exported, so that snapshot cannot start their mirror; its holder lets go once the tables it serves "

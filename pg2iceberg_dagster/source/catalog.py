@@ -418,3 +418,11 @@ def published_keys(conn: psycopg.Connection, publication: str, tables: Sequence[
     )
     covered = {relid for (relid,) in rows}
     return {table.key for table in tables if table.oid in covered}
+
+
+def published_keys_seen_by(
+    target: PostgresConnection, snapshot_name: str, publication: str, tables: Sequence[SourceTable]
+) -> set[str]:
+    """:func:`published_keys` as the exported snapshot ``snapshot_name`` sees the publication."""
+    with connect(target) as conn, imported_snapshot(conn, snapshot_name):
+        return published_keys(conn, publication, tables)
