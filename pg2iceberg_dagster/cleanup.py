@@ -15,6 +15,7 @@ from .config import PipelineConfig, TableConfig
 from .coordination.migrations import SCHEMA
 from .coordination.store import CoordinationStore
 from .iceberg.catalog import table_identifier
+from .source.catalog import publication_tables, table_list
 from .source.connection import connect
 from .staging.store import ObjectStore, staged_file_lsn
 
@@ -76,19 +77,12 @@ def remove_tables(
     ``config``: it names them)."""
     if config.replication.create_publication:
         with connect(config.source) as conn:
-            published = {
-                f"{schema}.{name}"
-                for schema, name in conn.execute(
-                    "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
-                    (config.replication.publication,),
-                )
-            }
+            published = publication_tables(conn, config.replication.publication)
             leaving = [table for table in tables if table.key in published]
             if leaving:
                 conn.execute(
                     sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
-                        sql.Identifier(config.replication.publication),
-                        sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in leaving),
+                        sql.Identifier(config.replication.publication), table_list(leaving)
                     )
                 )
     for table in tables:

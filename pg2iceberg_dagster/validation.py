@@ -14,7 +14,7 @@ from .coordination.store import CoordinationStore, PipelineMeta, TableState
 from .errors import StartupCheckError, UnsupportedTypeError
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
-from .source.catalog import SourceTable, TypeResolver, describe_table, server_version
+from .source.catalog import SourceTable, TypeResolver, describe_table, publication_tables, server_version, table_list
 from .source.connection import connect
 from .source.lsn import format_lsn, parse_lsn
 
@@ -111,8 +111,7 @@ def ensure_publication(
             # A partitioned parent's changes are sent as its own (not its leaves'): one Iceberg table.
             conn.execute(
                 sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)").format(
-                    sql.Identifier(name),
-                    sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables),
+                    sql.Identifier(name), table_list(tables)
                 )
             )
             return
@@ -132,12 +131,7 @@ def ensure_publication(
             f"publication {name} does not publish insert, update, delete and truncate; "
             f"run ALTER PUBLICATION {name} SET (publish = 'insert, update, delete, truncate')"
         )
-    covered = {
-        f"{schema}.{table}"
-        for schema, table in conn.execute(
-            "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (name,)
-        )
-    }
+    covered = publication_tables(conn, name)
     missing = [t.key for t in tables if t.key not in covered]
     dropped = [key for key in missing if key in mirrored]
     if dropped:
@@ -154,8 +148,7 @@ def ensure_publication(
         # changes stream from here on, and its snapshot (taken after this) covers everything before.
         conn.execute(
             sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
-                sql.Identifier(name),
-                sql.SQL(", ").join(sql.Identifier(t.schema_name, t.table_name) for t in tables if t.key in missing),
+                sql.Identifier(name), table_list(t for t in tables if t.key in missing)
             )
         )
     elif missing:

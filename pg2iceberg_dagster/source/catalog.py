@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from ..config import PostgresConnection, TableConfig
 from ..errors import Pg2IcebergError, StartupCheckError
@@ -426,3 +427,14 @@ def published_keys_seen_by(
     """:func:`published_keys` as the exported snapshot ``snapshot_name`` sees the publication."""
     with connect(target) as conn, imported_snapshot(conn, snapshot_name):
         return published_keys(conn, publication, tables)
+
+
+def publication_tables(conn: psycopg.Connection, publication: str) -> set[str]:
+    """The keys (``schema.table``) the publication covers now."""
+    rows = conn.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))
+    return {f"{schema}.{table}" for schema, table in rows}
+
+
+def table_list(tables: Iterable[TableConfig | SourceTable]) -> sql.Composed:
+    """``tables`` as a comma-separated list of quoted qualified names (for a publication's DDL)."""
+    return sql.SQL(", ").join(sql.Identifier(table.schema_name, table.table_name) for table in tables)
