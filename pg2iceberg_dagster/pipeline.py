@@ -376,17 +376,18 @@ class Pipeline:
             conn.rollback()
         return diffs
 
-    def forget_removed_tables(self) -> list[str]:
+    def forget_removed_tables(self) -> list[TableConfig]:
         """Stop mirroring the tables the coordination state holds but the config no longer names (see
         cleanup.remove_tables; their Iceberg tables are kept: only the config could name them); returns
-        their keys."""
+        their entries."""
         self.store.migrate()
         configured = {table.key for table in self.config.tables}
-        removed = sorted(key for key in self.store.table_states() if key not in configured)
+        # A key is "schema.table" unquoted: split at the first dot (a schema name holding one is misread).
+        removed = [
+            TableConfig.named(*key.split(".", 1)) for key in sorted(self.store.table_states()) if key not in configured
+        ]
         if removed:
-            # A key is "schema.table" unquoted: split at the first dot (a schema name holding one is misread).
-            tables = [TableConfig.named(*key.split(".", 1)) for key in removed]
-            remove_tables(self.config, self.store, self.catalog, tables, drop_iceberg=False)
+            remove_tables(self.config, self.store, self.catalog, removed, drop_iceberg=False)
         return removed
 
     def status(self) -> dict[str, Any]:

@@ -93,8 +93,8 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
         runs, events = [], []
         with pg2iceberg.pipeline() as pipeline:
             # Tables gone from the config: stop mirroring them, and their chunk partitions go too.
-            for key in pipeline.forget_removed_tables():
-                name = translator.partitions_name(TableConfig.named(*key.split(".", 1)))
+            for removed in pipeline.forget_removed_tables():
+                name = translator.partitions_name(removed)
                 if stale := context.instance.get_dynamic_partitions(name):
                     requests.append(DeleteDynamicPartitionsRequest(partitions_def_name=name, partition_keys=stale))
             configured = {table.key for table in pipeline.config.tables}

@@ -148,7 +148,7 @@ def test_ddl_on_a_table_nobody_writes_reaches_iceberg(source: SourceDb) -> None:
     still reach Iceberg (the merge reads the catalog when nothing is staged): a column added with a
     default, one renamed, one widened in place."""
     source.execute('CREATE TABLE public."Quiet" (id int PRIMARY KEY, v text, price numeric(8, 2))')
-    source.execute('INSERT INTO public."Quiet" SELECT g, \'v\', g FROM generate_series(1, 20) g')
+    source.execute("INSERT INTO public.\"Quiet\" SELECT g, 'v', g FROM generate_series(1, 20) g")
     source.execute("CREATE TABLE public.busy (id int PRIMARY KEY)")
     pipeline = source.pipeline(source.config(['public."Quiet"', "public.busy"]))
     pipeline.snapshot()
