@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 
@@ -134,9 +135,12 @@ class Pipeline:
         self._catalog: Catalog | None = None
         self._report: StartupReport | None = None
         self._spark: Any = None
+        self._source: psycopg.Connection | None = None
 
     def close(self) -> None:
         self.store.close()
+        if self._source is not None:
+            self._source.close()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -202,8 +206,15 @@ class Pipeline:
             finally:
                 flusher.close()
 
+    def source_connection(self) -> psycopg.Connection:
+        """A connection to the source kept for this pipeline's life (reopened once closed or broken):
+        its merges read the catalog of every idle table each time."""
+        if self._source is None or self._source.closed or self._source.broken:
+            self._source = connect(self.config.source)
+        return self._source
+
     def materializer(self) -> Materializer:
-        return Materializer(self.config, self.store, self.catalog, self.spark)
+        return Materializer(self.config, self.store, self.catalog, self.spark, source=self.source_connection)
 
     def materialize(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
         """One pass: merge every table's staged log up to its current head."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -148,8 +149,12 @@ class Materializer:
         catalog: Catalog,
         spark_factory: Callable[[], Any],
         worker_id: str | None = None,
+        source: Callable[[], psycopg.Connection] | None = None,
     ) -> None:
+        """``source`` hands out a kept connection to the source (a pipeline's); without it each use
+        of the source opens one of its own."""
         self.config = config
+        self._source_connection = source
         self.store = store
         self.catalog = catalog
         self.object_store = ObjectStore(config.staging)
@@ -235,7 +240,7 @@ class Materializer:
                 self._unpartitioned.add(table_key)
                 return None
         table = self.config.table(table_key)
-        with connect(self.config.source) as conn:
+        with self._source() as conn:
             oid = partitioned_oid(conn, table.schema_name, table.table_name)
             if oid is None:
                 return None  # dropped, or recreated unpartitioned: the startup checks refuse it
@@ -256,12 +261,12 @@ class Materializer:
         yet. pgoutput describes a table only with its next row change: without this, a column added
         (with a DEFAULT older rows read) to a table nobody writes would stay missing in Iceberg."""
         config = self.config.table(table_key)
-        try:
-            conn = connect(self.config.source)
-        except Pg2IcebergError as exc:  # the staged log merges without the source; this waits for it
-            log.warning("%s: not comparing its columns with the source's now: %s", table_key, exc)
-            return None
-        with conn:
+        with contextlib.ExitStack() as stack:
+            try:
+                conn = stack.enter_context(self._source())
+            except Pg2IcebergError as exc:  # the staged log merges without the source; this waits for it
+                log.warning("%s: not comparing its columns with the source's now: %s", table_key, exc)
+                return None
             row = conn.execute(_COLUMNS_SIGNATURE, (config.schema_name, config.table_name)).fetchone()
             signature = row[0] if row else None
             if signature is None or self._columns_seen.get(table_key) == signature:
@@ -273,6 +278,17 @@ class Materializer:
             self._columns_seen[table_key] = signature
             return None
         return described
+
+    @contextlib.contextmanager
+    def _source(self) -> Iterator[psycopg.Connection]:
+        """A connection to the source: the kept one when given (the checks of idle tables run at
+        every merge, and a new server process per table and merge costs more than the checks), else
+        one for this use."""
+        if self._source_connection is not None:
+            yield self._source_connection()
+            return
+        with connect(self.config.source) as conn:
+            yield conn
 
     def _follow_columns(self, table_key: str, described: _Described, result: MergeResult) -> Table | None:
         """Evolve the schema to the columns the catalog describes (see :meth:`_columns_changed`);
