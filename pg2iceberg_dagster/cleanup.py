@@ -35,17 +35,25 @@ def collect_garbage(config: PipelineConfig, store: CoordinationStore) -> Cleanup
     result = CleanupResult()
     flushed = store.flushed_lsn() or 0
     for table in config.tables:
-        for path in store.delete_log_entries_before(table.key, store.min_mat_cursor(table.key)):
-            objects.delete(path)
-            result.files_deleted += 1
-        registered = {entry.path for entry in store.log_entries(table.key, -1)}
-        for key in objects.list(f"{table.key}/"):
-            lsn = staged_file_lsn(key)
-            # A file newer than flushed_lsn may belong to a flush that is registering right now.
-            if key not in registered and lsn is not None and lsn <= flushed:
-                objects.delete(key)
-                result.files_deleted += 1
+        result.files_deleted += collect_table_garbage(store, objects, table.key, flushed)
     return result
+
+
+def collect_table_garbage(store: CoordinationStore, objects: ObjectStore, table_key: str, flushed: int) -> int:
+    """Delete ``table_key``'s staged files every group has applied, and its uploads no registration
+    names at or below ``flushed`` (the flushed LSN); returns how many files."""
+    deleted = 0
+    for path in store.delete_log_entries_before(table_key, store.min_mat_cursor(table_key)):
+        objects.delete(path)
+        deleted += 1
+    registered = {entry.path for entry in store.log_entries(table_key, -1)}
+    for key in objects.list(f"{table_key}/"):
+        lsn = staged_file_lsn(key)
+        # A file newer than flushed_lsn may belong to a flush that is registering right now.
+        if key not in registered and lsn is not None and lsn <= flushed:
+            objects.delete(key)
+            deleted += 1
+    return deleted
 
 
 def reset_table(

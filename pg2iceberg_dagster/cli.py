@@ -139,6 +139,31 @@ def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_maintain(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    keys = [pipeline.config.table(name).key for name in args.table or []] or None
+    results = pipeline.maintain(keys, due_only=args.due)
+    if args.json:
+        print(json.dumps([result.as_json() for result in results], indent=2))
+        return 0
+    if not results:
+        print("no table is due for maintenance")
+    for result in results:
+        if result.skipped:
+            print(f"{result.table}: skipped, {result.skipped}")
+            continue
+        before, after, rewrites = result.before, result.after, result.rewrites
+        assert before is not None and after is not None
+        print(
+            f"{result.table}: data files {before.data_files} -> {after.data_files}, "
+            f"delete files {before.delete_files} -> {after.delete_files}, "
+            f"snapshots {before.snapshots} -> {after.snapshots}, {result.orphans_removed} orphan files and "
+            f"{result.staged_files_removed} staged files deleted ({result.seconds:.1f} s)"
+        )
+        if rewrites.manifests_rewritten:
+            print(f"    {rewrites.manifests_rewritten} manifests rewritten")
+    return 0
+
+
 def cmd_hold_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
     from .snapshot.holder import hold_snapshot
 
@@ -227,6 +252,7 @@ COMMANDS = {
     "materialize": (cmd_materialize, "merge the staged log into Iceberg with Spark"),
     "run": (cmd_run, "snapshot, then stream and materialize in one process until interrupted"),
     "resync": (cmd_resync, "copy tables again online (those named, or those a merge found need it)"),
+    "maintain": (cmd_maintain, "compact files, expire snapshots, delete orphan and applied staged files"),
     "verify": (cmd_verify, "compare PostgreSQL and Iceberg row by row (exit 5 on differences)"),
     "status": (cmd_status, "show slot, flushed LSN, snapshot progress and lag per table"),
     "hold-snapshot": (
@@ -273,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "resync":
             command.add_argument("--table", action="append", help="resync this table (repeatable)")
+        if name == "maintain":
+            command.add_argument("--table", action="append", help="only this table (repeatable)")
+            command.add_argument(
+                "--due", action="store_true", help="only tables due (interval passed, or files call for compaction)"
+            )
+            command.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "status":
             command.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "cleanup":

@@ -260,6 +260,32 @@ class MaterializeConfig(_Strict):
     auto_resync: bool = True
 
 
+class MaintenanceConfig(_Strict):
+    """Day-2 upkeep of each Iceberg table (``maintenance/``): compaction of small data files and of
+    delete files, snapshot expiry, removal of orphan files, and the staged log's applied files.
+
+    A table is maintained every ``interval_minutes``, and sooner once a merge leaves it with
+    ``compact_at_files`` data files averaging under 3/4 of the target size, or more than
+    ``max_delete_ratio`` delete files per data file."""
+
+    enabled: bool = True
+    interval_minutes: float = Field(60.0, gt=0)
+    target_file_size_mb: float = Field(128.0, gt=0)
+    compact_at_files: int = Field(50, ge=2)
+    max_delete_ratio: float = Field(0.2, ge=0)
+    # Snapshots younger than this stay (time travel, readers in flight); the newest ``min_snapshots``
+    # stay whatever their age.
+    snapshot_retention_hours: float = Field(24.0, ge=0)
+    min_snapshots: int = Field(5, ge=1)
+    # A file no snapshot references is deleted only once it is this old: a commit in flight elsewhere
+    # (another engine writing the table) may still add it.
+    orphan_min_age_hours: float = Field(24.0, ge=0)
+
+    @property
+    def target_file_size_bytes(self) -> int:
+        return int(self.target_file_size_mb * 1024 * 1024)
+
+
 OutOfRange = Literal["clamp", "null"]
 
 
@@ -300,6 +326,7 @@ class PipelineConfig(_Strict):
     flush: FlushConfig = FlushConfig()
     materialize: MaterializeConfig = MaterializeConfig()
     values: ValuesConfig = ValuesConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,8 @@ CRASH_POINTS: dict[str, str] = {
     "materializer.after_commit": "the MERGE is committed to Iceberg but mat_cursor is not advanced",
     "resync.before_switch": "a resync's copy is written but not switched in",
     "resync.after_switch": "a resync is switched in Iceberg but not recorded as finished",
+    "maintenance.after_compaction": "a table's files are compacted but its snapshots not expired",
+    "maintenance.after_expiry": "a table's snapshots are expired but its orphan files not removed",
 }
 
 

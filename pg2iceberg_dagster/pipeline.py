@@ -24,6 +24,7 @@ from .coordination.store import Chunk, CoordinationStore, Lag
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
+from .maintenance import Maintainer, MaintenanceResult
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .snapshot.holder import holder_lock_key
@@ -58,6 +59,8 @@ log = logging.getLogger("pg2iceberg_dagster")
 
 # Statistics trail commits by up to a second: a content check looks at them again after this.
 STATS_DELAY_SECONDS = 1.5
+# How often ``run`` looks for tables due for maintenance (a query, and one metadata read per merged table).
+UPKEEP_CHECK_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,22 @@ class Pipeline:
         self.validate()
         return self.materializer().materialize_table(table_key, rounds=rounds)
 
+    def maintainer(self) -> Maintainer:
+        return Maintainer(self.config, self.store, self.catalog, self.spark)
+
+    def maintain(self, table_keys: list[str] | None = None, due_only: bool = False) -> list[MaintenanceResult]:
+        """A maintenance pass over the given tables (all configured when None), or only over those
+        due for one with ``due_only`` (see maintenance.Maintainer)."""
+        self.validate()
+        maintainer = self.maintainer()
+        keys = table_keys or [table.key for table in self.config.tables]
+        for key in keys:
+            self.config.table(key)  # an unknown table: a clear error before any pass
+        if due_only:
+            due = maintainer.due()
+            return [maintainer.maintain(key, due[key]) for key in keys if key in due]
+        return [maintainer.maintain(key) for key in keys]
+
     def resync(self, table_key: str, reason: str = "requested", on_chunk: ChunkCallback | None = None) -> ResyncResult:
         """Copy one table again, online, and switch it in one Iceberg commit (see snapshot.resync):
         the one a merge requested, one interrupted, or a new one for ``reason``."""
@@ -329,12 +348,15 @@ class Pipeline:
         thread = threading.Thread(target=stream, name="flusher", daemon=True)
         thread.start()
         materializer = self.materializer()
+        upkeep = _Upkeep(self.maintainer()) if self.config.maintenance.enabled else None
         copies = _CopyWorker(self.config)
         wait = interval if interval is not None else self.config.materialize.interval_seconds
         try:
             while not stop.is_set():
                 staged.clear()  # a flush during the merge below sets it again: merge right after
                 results = materializer.run_once()
+                if upkeep is not None:
+                    upkeep.after_merges(results)
                 copies.start_next(
                     any(r.waiting_for_snapshot for r in results.values()),
                     {key: r.resync_reason for key, r in results.items() if r.resync_reason},
@@ -483,6 +505,39 @@ class _CopyWorker:
     def join(self) -> None:
         if self._thread is not None:
             self._thread.join()
+
+
+class _Upkeep:
+    """Maintenance inside ``run``: between merges, a pass over each table that is due (see
+    maintenance.Maintainer.due), looked for at most every :data:`UPKEEP_CHECK_SECONDS`."""
+
+    def __init__(self, maintainer: Maintainer) -> None:
+        self.maintainer = maintainer
+        self.merged: set[str] = set()
+        self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
+
+    def after_merges(self, results: dict[str, MergeResult]) -> None:
+        self.merged.update(key for key, result in results.items() if result.batches)
+        if time.monotonic() < self.next_check:
+            return
+        for key, reason in self.maintainer.due(self.merged).items():
+            done = self.maintainer.maintain(key, reason)
+            if not done.skipped:
+                log.info("maintained %s (%s) in %.1f s: %s", key, reason, done.seconds, _maintenance_line(done))
+        self.merged.clear()
+        self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
+
+
+def _maintenance_line(result: MaintenanceResult) -> str:
+    """What a pass did, in one log line."""
+    rewrites = result.rewrites
+    before, after = result.before, result.after
+    files = f"data files {before.data_files} -> {after.data_files}" if before and after else ""
+    return (
+        f"{files}, {rewrites.data_files_rewritten} rewritten, {rewrites.delete_files_removed} delete files removed, "
+        f"{rewrites.snapshots_expired} snapshots expired, {result.orphans_removed} orphans and "
+        f"{result.staged_files_removed} staged files deleted"
+    )
 
 
 def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: float) -> None:

@@ -145,6 +145,13 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.snapshot_progress ADD COLUMN leaf_name text;
         """,
     ),
+    (
+        7,
+        """
+        -- When maintenance last finished a pass over the table's Iceberg files (maintenance/).
+        ALTER TABLE _pg2iceberg.tables ADD COLUMN maintained_at timestamptz;
+        """,
+    ),
 ]
 
 

@@ -8,9 +8,13 @@ and cleanup stay on the concrete stores.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
+
+from ..errors import LeaseBusyError
 
 if TYPE_CHECKING:  # store.py may import take_batch from here
     from .store import Lag, LogEntry, SnapshotEpoch, StagedFile, TableState
@@ -89,3 +93,31 @@ class StagedLogStore(Protocol):
     def writer_lease(self, group: str, table_name: str, worker_id: str) -> AbstractContextManager[None]:
         """Hold the single-writer lease of (``group``, ``table_name``); LeaseBusyError when it is taken."""
         ...
+
+
+# How often a writer waiting for a table's lease tries again, and for how long: a merge, a resync
+# request or a maintenance pass waits for the one in progress (a long merge, a compaction) to end.
+LEASE_RETRY_SECONDS = 0.5
+LEASE_WAIT_SECONDS = 600.0
+
+
+@contextlib.contextmanager
+def writer_lease_within(
+    store: StagedLogStore, group: str, table_name: str, worker_id: str, wait_seconds: float
+) -> Iterator[None]:
+    """Hold the table's writer lease, waiting up to ``wait_seconds`` while another writer (a merge,
+    maintenance) holds it; then LeaseBusyError naming the holder."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        lease = store.writer_lease(group, table_name, worker_id)
+        try:
+            lease.__enter__()
+        except LeaseBusyError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(LEASE_RETRY_SECONDS)
+            continue
+        break
+    with contextlib.ExitStack() as stack:
+        stack.push(lease)
+        yield

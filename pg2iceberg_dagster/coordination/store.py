@@ -251,6 +251,20 @@ class CoordinationStore:
     def table_state(self, table_name: str) -> TableState | None:
         return self.table_states().get(table_name)
 
+    def seconds_since_maintained(self) -> dict[str, float]:
+        """Per registered table, seconds since maintenance last finished a pass over it. A table never
+        maintained counts from now (it is stamped now): its first pass comes one interval later."""
+        with self.conn.transaction():
+            self.conn.execute("UPDATE _pg2iceberg.tables SET maintained_at = now() WHERE maintained_at IS NULL")
+            rows = self.conn.execute(
+                "SELECT table_name, extract(epoch FROM now() - maintained_at)::float8 FROM _pg2iceberg.tables"
+            ).fetchall()
+        return {table: seconds for table, seconds in rows}
+
+    def record_maintained(self, table_name: str) -> None:
+        """Maintenance finished a pass over ``table_name`` now."""
+        self.conn.execute("UPDATE _pg2iceberg.tables SET maintained_at = now() WHERE table_name = %s", (table_name,))
+
     def start_table_snapshot(
         self, table_name: str, pg_oid: int, iceberg_table: str, snapshot_lsn: int | None, chunks: Sequence[Chunk]
     ) -> list[Chunk]:

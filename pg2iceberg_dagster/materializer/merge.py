@@ -26,7 +26,7 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig
-from ..coordination.protocol import StagedLogStore
+from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_lease_within
 from ..coordination.store import Lag, LogEntry, SnapshotEpoch
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
@@ -49,7 +49,7 @@ from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import DELETE, changes_of, read_staged
-from ..staging.store import ObjectStore
+from ..staging.store import ObjectStore, merge_batch_prefix
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .fold import fold
@@ -193,7 +193,7 @@ class Materializer:
         described = self._columns_changed(table_key) if result.lag.changes <= 0 else None
         if result.lag.changes <= 0 and unfilled is None and leaves is None and described is None:
             return result
-        with self.store.writer_lease(self.group, table_key, self.worker_id):
+        with writer_lease_within(self.store, self.group, table_key, self.worker_id, LEASE_WAIT_SECONDS):
             # A resync requested since the look above: nothing may be merged past its request.
             if not self._mergeable(table_key, result):
                 return result
@@ -454,7 +454,7 @@ class Materializer:
     def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> Iterator[str]:
         """``rows`` as a Spark temporary view (staged as a Parquet file Spark reads back: executors
         need not reach the driver's memory)."""
-        batch_key = f"_batches/{table_key}/{uuid.uuid4().hex}.parquet"
+        batch_key = f"{merge_batch_prefix(table_key)}{uuid.uuid4().hex}.parquet"
         self.object_store.put(batch_key, _parquet_bytes(rows))
         try:
             view = f"pg2iceberg_batch_{threading.get_ident()}"

@@ -11,7 +11,8 @@ def spark_identifier(*parts: str) -> str:
     return ".".join("`" + part.replace("`", "``") + "`" for part in parts)
 
 
-def _spark_string(value: str) -> str:
+def spark_string(value: str) -> str:
+    """A Spark SQL string literal."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
@@ -26,7 +27,7 @@ def merge_statement(
     on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
     assignments = ", ".join(
         (
-            f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {_spark_string(c)}) "
+            f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {spark_string(c)}) "
             f"THEN t.{spark_identifier(c)} ELSE s.{spark_identifier(c)} END"
             if keep_unchanged
             else f"t.{spark_identifier(c)} = s.{spark_identifier(c)}"

@@ -33,8 +33,9 @@ from pyiceberg.io import FileIO
 from pyiceberg.table import Table, Transaction
 
 from ..config import PipelineConfig
+from ..coordination.protocol import LEASE_WAIT_SECONDS, writer_lease_within
 from ..coordination.store import Chunk, CoordinationStore
-from ..errors import LeaseBusyError, Pg2IcebergError
+from ..errors import Pg2IcebergError
 from ..faults import crash_point
 from ..iceberg.catalog import snapshot_summaries, table_identifier
 from ..iceberg.evolution import rebuild_schema
@@ -46,7 +47,6 @@ from .holder import SnapshotHolder
 from .stages import run_chunks
 
 RESYNC_EPOCH = "pg2iceberg.resync-epoch"  # in the switch commit's summary: the epoch of its copy
-LEASE_WAIT_SECONDS = 600.0
 
 
 @dataclass
@@ -66,16 +66,8 @@ class ResyncResult:
 def request_resync(store: CoordinationStore, group: str, table_key: str, reason: str, worker_id: str) -> None:
     """Step 1: record the request under the table's writer lease, waiting for a merge in progress to
     end (a merge that already holds the lease must not run past the request)."""
-    deadline = time.monotonic() + LEASE_WAIT_SECONDS
-    while True:
-        try:
-            with store.writer_lease(group, table_key, worker_id):
-                store.request_resync(table_key, reason)
-                return
-        except LeaseBusyError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    with writer_lease_within(store, group, table_key, worker_id, LEASE_WAIT_SECONDS):
+        store.request_resync(table_key, reason)
 
 
 def _switched_in(table: Table, epoch: int) -> bool:

@@ -17,6 +17,12 @@ def staged_file_key(table: str, lsn: int) -> str:
     return f"{table}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
 
 
+def merge_batch_prefix(table: str) -> str:
+    """Where the materializer stages a prepared batch of ``table`` for Spark to read (deleted after
+    the merge; a crash can leave one, which maintenance deletes)."""
+    return f"_batches/{table}/"
+
+
 def staged_file_lsn(key: str) -> int | None:
     """The LSN in a staged file's key (None for keys not named by :func:`staged_file_key`)."""
     try:
@@ -93,9 +99,17 @@ class ObjectStore:
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix`` (recursive)."""
+        return sorted(self.modified(prefix))
+
+    def modified(self, prefix: str = "") -> dict[str, float]:
+        """Keys under ``prefix`` (recursive) with the time each was last written (epoch seconds)."""
         selector = fs.FileSelector(self._full(prefix).rstrip("/"), recursive=True, allow_not_found=True)
         base = len(self.root) + 1
-        return sorted(info.path[base:] for info in self.filesystem.get_file_info(selector) if info.is_file)
+        return {
+            info.path[base:]: info.mtime.timestamp() if info.mtime else 0.0
+            for info in self.filesystem.get_file_info(selector)
+            if info.is_file
+        }
 
     def uri(self, key: str) -> str:
         """The key as a URL (for readers such as Spark)."""

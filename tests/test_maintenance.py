@@ -1,0 +1,194 @@
+"""Maintenance of the mirror's Iceberg tables: compaction, snapshot expiry, orphan files and the
+staged log's garbage, from the CLI, under crashes, and inside ``run``. After each, Iceberg still
+equals the live source row by row, and merges go on."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pg2iceberg_dagster import pipeline as pipeline_module
+from pg2iceberg_dagster.cli import main
+from pg2iceberg_dagster.config import PipelineConfig
+from pg2iceberg_dagster.iceberg.catalog import table_identifier
+from pg2iceberg_dagster.maintenance import maintainer as maintainer_module
+from pg2iceberg_dagster.maintenance import measured_health
+from pg2iceberg_dagster.maintenance.orphans import orphan_files, referenced_files
+from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.staging.store import ObjectStore, merge_batch_prefix
+
+from .conftest import Crash, SourceDb, assert_mirrored, sync
+
+pytestmark = pytest.mark.usefixtures("spark")
+
+# Merge-on-read: merges leave position delete files, the harder case for compaction.
+MERGE_ON_READ = {f"write.{kind}.mode": "merge-on-read" for kind in ("merge", "update", "delete")}
+EAGER = {"snapshot_retention_hours": 0, "min_snapshots": 2, "orphan_min_age_hours": 0}
+
+
+def _config(source: SourceDb, **maintenance: Any) -> PipelineConfig:
+    base = source.config(["public.items"])
+    iceberg = base.iceberg.model_dump(mode="json", exclude_none=True)
+    iceberg["table_properties"] = {**iceberg["table_properties"], **MERGE_ON_READ}
+    return source.config(["public.items"], iceberg=iceberg, maintenance={**EAGER, **maintenance})
+
+
+def _churn(source: SourceDb, pipeline: Pipeline, rounds: int) -> None:
+    """``rounds`` merges, each updating and deleting some rows and inserting others."""
+    for round_ in range(rounds):
+        source.execute("UPDATE items SET note = note || '+' WHERE id %% 5 = %s", (round_ % 5,))
+        source.execute("DELETE FROM items WHERE id %% 89 = %s", (round_,))
+        source.execute(
+            "INSERT INTO items SELECT top + i, 'new ' || i FROM (SELECT max(id) AS top FROM items) t, "
+            "generate_series(1, 50) i"
+        )
+        sync(pipeline)
+
+
+def _table(pipeline: Pipeline) -> Any:
+    return pipeline.catalog.load_table(table_identifier(pipeline.config, "public.items"))
+
+
+def _plant_orphans(pipeline: Pipeline) -> tuple[Path, str]:
+    """What crashes leave: a data file written under the table but never committed, and a merge batch
+    staged for Spark but never deleted."""
+    location = _table(pipeline).location().removeprefix("file://")
+    orphan = Path(location) / "data" / "never-committed.parquet"
+    orphan.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [1], "note": ["x"]}), orphan)
+    objects = ObjectStore(pipeline.config.staging)
+    batch = f"{merge_batch_prefix('public.items')}left-by-a-crash.parquet"
+    objects.put(batch, b"PAR1")
+    return orphan, batch
+
+
+def _files_under(pipeline: Pipeline) -> set[str]:
+    root = Path(_table(pipeline).location().removeprefix("file://"))
+    return {str(path) for path in root.rglob("*") if path.is_file()}
+
+
+def _churned(source: SourceDb, config: PipelineConfig, rounds: int) -> Pipeline:
+    """The pipeline of a table snapshotted, then changed and merged ``rounds`` times."""
+    source.execute("CREATE TABLE items (id int PRIMARY KEY, note text)")
+    source.execute("INSERT INTO items SELECT i, 'item ' || i FROM generate_series(1, 3000) i")
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    _churn(source, pipeline, rounds)
+    return pipeline
+
+
+def test_maintain_compacts_expires_and_removes_orphans_and_the_mirror_still_equals_the_source(
+    source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(source)
+    pipeline = _churned(source, config, 6)
+    before = measured_health(_table(pipeline), config.maintenance.target_file_size_bytes)
+    assert before.delete_files > 0 and before.data_files > 4 and before.snapshots > 6, before
+    orphan, batch = _plant_orphans(pipeline)
+
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    capsys.readouterr()
+    assert main(["-c", str(path), "maintain", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+
+    table = _table(pipeline)
+    after = measured_health(table, config.maintenance.target_file_size_bytes)
+    assert result["after"]["data_files"] == after.data_files
+    assert after.data_files == 1 and after.delete_files == 0, after
+    assert after.snapshots == config.maintenance.min_snapshots
+    assert result["data_files_rewritten"] >= before.data_files - 1
+    assert not orphan.exists() and result["orphans_removed"] >= 1
+    assert batch not in ObjectStore(config.staging).list()
+    # Every file left under the table is one its metadata reaches.
+    assert _files_under(pipeline) <= referenced_files(table)
+    assert orphan_files(table, 0) == []
+    assert_mirrored(pipeline)
+    # Merges go on over the compacted table.
+    _churn(source, pipeline, 2)
+    assert_mirrored(pipeline)
+
+
+@pytest.mark.parametrize("point", ["maintenance.after_compaction", "maintenance.after_expiry"])
+def test_a_crash_inside_maintenance_loses_nothing_and_the_next_pass_finishes(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    config = _config(source)
+    pipeline = _churned(source, config, 4)
+    orphan, _ = _plant_orphans(pipeline)
+
+    def crash_at(name: str) -> None:
+        if name == point:
+            raise Crash
+
+    monkeypatch.setattr(maintainer_module, "crash_point", crash_at)
+    with pytest.raises(Crash):
+        pipeline.maintain()
+    monkeypatch.undo()
+    assert_mirrored(pipeline)
+    _churn(source, pipeline, 1)  # the lease was let go: merges go on
+
+    (result,) = pipeline.maintain()
+    assert result.skipped is None
+    table = _table(pipeline)
+    assert not orphan.exists()
+    assert len(table.metadata.snapshots) == config.maintenance.min_snapshots
+    assert measured_health(table, config.maintenance.target_file_size_bytes).delete_files == 0
+    assert _files_under(pipeline) <= referenced_files(table)
+    assert_mirrored(pipeline)
+
+
+def test_maintenance_leaves_a_table_waiting_for_a_resync_alone(source: SourceDb) -> None:
+    pipeline = _churned(source, _config(source), 3)
+    snapshots = [s.snapshot_id for s in _table(pipeline).snapshots()]
+    pipeline.store.request_resync("public.items", "test: a change the WAL cannot follow")
+    (result,) = pipeline.maintain()
+    assert result.skipped and "resync" in result.skipped
+    assert [s.snapshot_id for s in _table(pipeline).snapshots()] == snapshots
+
+
+def test_run_maintains_tables_between_merges(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` with live writes: tables whose files call for it are compacted and their snapshots
+    expired between merges, and the mirror stays exact."""
+    config = _config(source, compact_at_files=3)
+    monkeypatch.setattr(pipeline_module, "UPKEEP_CHECK_SECONDS", 0.5)
+    pipeline = _churned(source, config, 0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipeline.run(stop, interval=0.5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        most_snapshots = 0
+        for round_ in range(12):
+            source.execute("UPDATE items SET note = note || '.' WHERE id %% 7 = %s", (round_ % 7,))
+            source.execute("DELETE FROM items WHERE id = %s", (round_ * 11 + 1,))
+            time.sleep(1.5)
+            most_snapshots = max(most_snapshots, len(_table(pipeline).metadata.snapshots))
+        maintained = source.execute(
+            "SELECT count(*) FROM _pg2iceberg.tables WHERE maintained_at > now() - interval '1 minute'"
+        )
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not errors, errors
+    assert maintained == [(1,)]
+    table = _table(pipeline)
+    # Twelve rounds of merges, each a snapshot; expiry keeps the table far below that.
+    assert len(table.metadata.snapshots) < 12, len(table.metadata.snapshots)
+    sync(pipeline)
+    assert_mirrored(pipeline)
