@@ -12,11 +12,17 @@ from pathlib import Path
 from dagster import Definitions
 
 from assets import Pg2IcebergTranslator, table_definitions
-from jobs import resync_job
+from jobs import maintenance_job, resync_job
 from pg2iceberg_dagster.config import load_config
 from pg2iceberg_dagster.source.selection import resolve_tables
 from resources import Pg2IcebergResource, SparkResource
-from sensors import flusher_sensor, merge_automation_sensor, resync_sensor, snapshot_planner_sensor
+from sensors import (
+    flusher_sensor,
+    maintenance_sensor,
+    merge_automation_sensor,
+    resync_sensor,
+    snapshot_planner_sensor,
+)
 
 DEFAULT_CONFIG = Path(__file__).parent / ".pg2iceberg" / "pg2iceberg.yaml"
 
@@ -32,14 +38,16 @@ def build_definitions(config_path: str | os.PathLike[str], pg2iceberg: Pg2Iceber
     pg2iceberg = pg2iceberg or Pg2IcebergResource(config_path=config_path)
     specs, assets = table_definitions(translator, pg2iceberg)
     resync = resync_job(translator)
+    maintenance = maintenance_job(translator)
     return Definitions(
         assets=[*specs, *assets],
-        jobs=[resync],
+        jobs=[resync, maintenance],
         sensors=[
             flusher_sensor(translator),
             snapshot_planner_sensor(translator),
             merge_automation_sensor(translator),
             resync_sensor(resync),
+            maintenance_sensor(translator, maintenance),
         ],
         resources={"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)},
     )

@@ -21,7 +21,8 @@ from dagster import (
     asset,
 )
 
-from pg2iceberg_dagster.config import TableConfig
+from pg2iceberg_dagster.config import MaintenanceConfig, TableConfig
+from pg2iceberg_dagster.maintenance import TableHealth, compaction_due
 from pg2iceberg_dagster.pipeline import IcebergTableSummary, MergeResult, TableCheckReport
 from resources import Pg2IcebergResource, SparkResource
 
@@ -31,6 +32,7 @@ from .translator import Pg2IcebergTranslator
 PK_UNIQUE = "primary_key_unique"
 MATCHES_SOURCE = "matches_source"
 SCHEMA_MATCHES = "schema_matches_source"
+FILES_COMPACT = "files_compact"
 
 
 def partitions_def(translator: Pg2IcebergTranslator, table: TableConfig) -> DynamicPartitionsDefinition:
@@ -168,6 +170,27 @@ def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetChe
     )
 
 
+def files_check_result(health: TableHealth, settings: MaintenanceConfig, key: Any) -> AssetCheckResult:
+    """A warning when small files or delete files pile up (maintenance compacts them: if this stays
+    red, maintenance is off or cannot keep up)."""
+    due = compaction_due(health, settings)
+    return AssetCheckResult(
+        asset_key=key,
+        check_name=FILES_COMPACT,
+        passed=due is None,
+        severity=AssetCheckSeverity.WARN,
+        description=due,
+        metadata={
+            "small_files": health.small_files or 0,
+            "delete_files": health.delete_files,
+            "delete_ratio": round(health.delete_ratio, 4),
+            "compact_at_files": settings.compact_at_files,
+            "max_delete_ratio": settings.max_delete_ratio,
+            "maintenance_enabled": settings.enabled,
+        },
+    )
+
+
 def iceberg_asset(
     translator: Pg2IcebergTranslator, table: TableConfig, pg2iceberg: Pg2IcebergResource
 ) -> AssetsDefinition:
@@ -185,6 +208,9 @@ def iceberg_asset(
             AssetCheckSpec(PK_UNIQUE, asset=key, blocking=True, description="one row per primary key"),
             AssetCheckSpec(MATCHES_SOURCE, asset=key, description="rows equal the source when there is no lag"),
             AssetCheckSpec(SCHEMA_MATCHES, asset=key, description="columns and types match the source"),
+            AssetCheckSpec(
+                FILES_COMPACT, asset=key, description="few small files and delete files (maintenance keeps it so)"
+            ),
         ],
         pool="pg2iceberg_merge",
     )
@@ -198,8 +224,13 @@ def iceberg_asset(
             if result.resync_reason:
                 context.log.warning("%s waits for an online resync: %s", table.key, result.resync_reason)
             summary = pipeline.iceberg_summary(table.key)
-            yield MaterializeResult(metadata=_merge_metadata(translator, table, result, summary))
+            health = pipeline.file_health(table.key)
+            metadata = _merge_metadata(translator, table, result, summary)
+            # Plotted per merge: how files and snapshots grow between maintenance passes.
+            metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
+            yield MaterializeResult(metadata=metadata)
             yield from table_check_results(pipeline.check_table(table.key), key)
+            yield files_check_result(health, pipeline.config.maintenance, key)
 
     return _merge
 

@@ -17,7 +17,7 @@ from resources import Pg2IcebergResource
 RESYNC_JOB = "pg2iceberg_resync"
 
 
-def resync_partitions(translator: Pg2IcebergTranslator) -> StaticPartitionsDefinition:
+def table_partitions(translator: Pg2IcebergTranslator) -> StaticPartitionsDefinition:
     """One partition per configured table (its ``schema.table`` key)."""
     return StaticPartitionsDefinition([table.key for table in translator.config.tables])
 
@@ -53,7 +53,7 @@ def resync_job(translator: Pg2IcebergTranslator):  # type: ignore[no-untyped-def
 
     @job(
         name=RESYNC_JOB,
-        partitions_def=resync_partitions(translator),
+        partitions_def=table_partitions(translator),
         description="Resync one table online (pick the table as the partition): the others keep streaming "
         "and merging, readers see the old table until one Iceberg commit switches it.",
         tags={"dagster/max_runtime": 6 * 3600},

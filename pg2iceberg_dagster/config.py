@@ -264,9 +264,9 @@ class MaintenanceConfig(_Strict):
     """Day-2 upkeep of each Iceberg table (``maintenance/``): compaction of small data files and of
     delete files, snapshot expiry, removal of orphan files, and the staged log's applied files.
 
-    A table is maintained every ``interval_minutes``, and sooner once a merge leaves it with
-    ``compact_at_files`` data files averaging under 3/4 of the target size, or more than
-    ``max_delete_ratio`` delete files per data file."""
+    A table is maintained every ``interval_minutes``, and sooner once merges leave it with
+    ``compact_at_files`` small data files (under 3/4 of the target size), or ``compact_at_files``
+    delete files that are more than ``max_delete_ratio`` per data file."""
 
     enabled: bool = True
     interval_minutes: float = Field(60.0, gt=0)

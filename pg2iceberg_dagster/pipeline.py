@@ -24,7 +24,7 @@ from .coordination.store import Chunk, CoordinationStore, Lag
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
-from .maintenance import Maintainer, MaintenanceResult
+from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .snapshot.holder import holder_lock_key
@@ -229,12 +229,19 @@ class Pipeline:
         self.validate()
         return self.materializer().materialize_table(table_key, rounds=rounds)
 
+    def file_health(self, table_key: str) -> TableHealth:
+        """The table's data and delete files, small files and snapshots (see maintenance.health)."""
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        return measured_health(table, self.config.maintenance.target_file_size_bytes)
+
     def maintainer(self) -> Maintainer:
         return Maintainer(self.config, self.store, self.catalog, self.spark)
 
-    def maintain(self, table_keys: list[str] | None = None, due_only: bool = False) -> list[MaintenanceResult]:
+    def maintain(
+        self, table_keys: list[str] | None = None, due_only: bool = False, reason: str = "requested"
+    ) -> list[MaintenanceResult]:
         """A maintenance pass over the given tables (all configured when None), or only over those
-        due for one with ``due_only`` (see maintenance.Maintainer)."""
+        due for one with ``due_only`` (see maintenance.Maintainer); ``reason`` is reported with it."""
         self.validate()
         maintainer = self.maintainer()
         keys = table_keys or [table.key for table in self.config.tables]
@@ -243,7 +250,7 @@ class Pipeline:
         if due_only:
             due = maintainer.due()
             return [maintainer.maintain(key, due[key]) for key in keys if key in due]
-        return [maintainer.maintain(key) for key in keys]
+        return [maintainer.maintain(key, reason) for key in keys]
 
     def resync(self, table_key: str, reason: str = "requested", on_chunk: ChunkCallback | None = None) -> ResyncResult:
         """Copy one table again, online, and switch it in one Iceberg commit (see snapshot.resync):

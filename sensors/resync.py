@@ -2,10 +2,8 @@
 per table at a time)."""
 
 from dagster import (
-    DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
-    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
@@ -16,12 +14,7 @@ from dagster import (
 from jobs import RESYNC_JOB
 from resources import Pg2IcebergResource
 
-_UNFINISHED = [
-    DagsterRunStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED,
-    DagsterRunStatus.STARTING,
-    DagsterRunStatus.STARTED,
-]
+from .runs import run_in_flight
 
 
 def resync_sensor(job) -> SensorDefinition:  # type: ignore[no-untyped-def]  # dagster's JobDefinition
@@ -38,11 +31,7 @@ def resync_sensor(job) -> SensorDefinition:  # type: ignore[no-untyped-def]  # d
             pending = pipeline.resyncs_pending()
         runs = []
         for table_key, reason in pending.items():
-            running = context.instance.get_runs(
-                filters=RunsFilter(job_name=RESYNC_JOB, statuses=_UNFINISHED, tags={"dagster/partition": table_key}),
-                limit=1,
-            )
-            if not running:
+            if not run_in_flight(context, RESYNC_JOB, table_key):
                 context.log.info("resync %s: %s", table_key, reason)
                 runs.append(RunRequest(partition_key=table_key, tags={"pg2iceberg/resync_reason": reason[:200]}))
         if not runs:

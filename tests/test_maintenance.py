@@ -192,3 +192,54 @@ def test_run_maintains_tables_between_merges(source: SourceDb, monkeypatch: pyte
     assert len(table.metadata.snapshots) < 12, len(table.metadata.snapshots)
     sync(pipeline)
     assert_mirrored(pipeline)
+
+
+def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp_path: Path) -> None:
+    """The merge's check warns once small files pile up; the maintenance sensor requests the table's
+    partition of the maintenance job; its run compacts the table and reports an observation with the
+    numbers Iceberg has; the next merge's check passes and the mirror equals the source."""
+    from dagster import AssetKey, SensorResult, build_sensor_context, instance_for_test, materialize
+
+    from assets.tables import FILES_COMPACT
+    from definitions import build_definitions
+    from jobs import MAINTENANCE_JOB
+    from resources import Pg2IcebergResource, SparkResource
+
+    config = _config(source, compact_at_files=3)
+    pipeline = _churned(source, config, 4)
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    defs = build_definitions(path)
+    live = defs.resolve_assets_def(AssetKey(["iceberg", f"{source.name}_public", "items"]))
+    resource = Pg2IcebergResource(config_path=str(path))
+    resources = {"pg2iceberg": resource, "spark": SparkResource(pg2iceberg=resource)}
+
+    with instance_for_test() as instance:
+        source.execute("UPDATE items SET note = 'x' WHERE id < 10")
+        pipeline.stream(until_caught_up=True)
+        merged = materialize([live], instance=instance)
+        checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
+        assert not checks[FILES_COMPACT].passed
+
+        with build_sensor_context(instance=instance, resources=resources) as context:
+            ticked = defs.resolve_sensor_def("pg2iceberg_maintenance")(context)
+        assert isinstance(ticked, SensorResult)
+        (request,) = ticked.run_requests
+        assert request.partition_key == "public.items"
+
+        run = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(
+            partition_key=request.partition_key, instance=instance, tags=request.tags
+        )
+        assert run.success
+        (observation,) = [event.event_specific_data.asset_observation for event in run.get_asset_observation_events()]
+        health = measured_health(_table(pipeline), config.maintenance.target_file_size_bytes)
+        assert observation.metadata["data_files"].value == health.data_files == 1
+        assert observation.metadata["snapshots"].value == health.snapshots
+        assert observation.metadata["delete_files"].value == 0
+
+        source.execute("UPDATE items SET note = 'y' WHERE id < 10")
+        pipeline.stream(until_caught_up=True)
+        merged = materialize([live], instance=instance)
+        checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
+        assert checks[FILES_COMPACT].passed
+    assert_mirrored(pipeline)

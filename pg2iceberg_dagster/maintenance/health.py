@@ -67,12 +67,17 @@ def measured_health(table: Table, target_file_size_bytes: int) -> TableHealth:
 
 
 def compaction_due(health: TableHealth, config: MaintenanceConfig) -> str | None:
-    """Why the table needs compacting now (None when it does not): many data files averaging small,
-    or too many delete files per data file. Judged from the summary alone."""
-    if health.data_files >= config.compact_at_files:
+    """Why the table needs compacting now (None when it does not): ``compact_at_files`` small data
+    files (counted when ``health`` measured them, else estimated from the summary: that many data
+    files averaging small), or ``compact_at_files`` delete files that are more than
+    ``max_delete_ratio`` per data file (a floor: one merge into a table of one file is no pile-up)."""
+    if health.small_files is not None:
+        if health.small_files >= config.compact_at_files:
+            return f"{health.small_files} small data files"
+    elif health.data_files >= config.compact_at_files:
         average = health.bytes / max(1, health.data_files + health.delete_files)
         if average < SMALL_FILE_SHARE * config.target_file_size_bytes:
             return f"{health.data_files} data files averaging {average / 1024:.0f} KiB"
-    if health.delete_files and health.delete_ratio > config.max_delete_ratio:
+    if health.delete_files >= config.compact_at_files and health.delete_ratio > config.max_delete_ratio:
         return f"{health.delete_files} delete files for {health.data_files} data files"
     return None

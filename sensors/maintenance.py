@@ -1,0 +1,44 @@
+"""Launches the maintenance job for each table that is due: its ``maintenance.interval_minutes``
+passed, or its files call for compaction (one run per table at a time)."""
+
+from dagster import (
+    DefaultSensorStatus,
+    RunRequest,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+
+from assets.translator import Pg2IcebergTranslator
+from jobs import MAINTENANCE_JOB
+from resources import Pg2IcebergResource
+
+from .runs import run_in_flight
+
+
+def maintenance_sensor(translator: Pg2IcebergTranslator, job) -> SensorDefinition:  # type: ignore[no-untyped-def]
+    enabled = translator.config.maintenance.enabled
+
+    @sensor(
+        name="pg2iceberg_maintenance",
+        job=job,
+        minimum_interval_seconds=60,
+        default_status=DefaultSensorStatus.RUNNING if enabled else DefaultSensorStatus.STOPPED,
+        description="Maintains a table's Iceberg files when it is due: on its interval, or sooner when "
+        "small files or delete files pile up (maintenance.* in the pipeline config).",
+    )
+    def _maintenance(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
+        with pg2iceberg.pipeline() as pipeline:
+            due = pipeline.maintainer().due()
+        runs = [
+            RunRequest(partition_key=key, tags={"pg2iceberg/maintenance_reason": reason[:200]})
+            for key, reason in due.items()
+            if not run_in_flight(context, MAINTENANCE_JOB, key)
+        ]
+        if not runs:
+            return SkipReason("no table is due for maintenance" if not due else "its maintenance is running")
+        return SensorResult(run_requests=runs)
+
+    return _maintenance
