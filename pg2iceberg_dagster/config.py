@@ -10,13 +10,24 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from psycopg.conninfo import make_conninfo
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
+from .iceberg.terms import PartitionTerm, SortTerm, parse_partition_term, parse_sort_term, repeated_columns
 
 # An unquoted name, or a quoted one in which a double quote is written twice (SQL's own escape).
 _IDENT = r'[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+"'
@@ -80,12 +91,28 @@ class PostgresConnection(_Strict):
         return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
 
 
+def _partition_expression(value: str) -> str:
+    parse_partition_term(value)
+    return value
+
+
+def _sort_expression(value: str) -> str:
+    parse_sort_term(value)
+    return value
+
+
 class TableConfig(_Strict):
-    """One source table. ``primary_key`` overrides the declared key (for tables without one)."""
+    """One source table. ``primary_key`` overrides the declared key (for tables without one).
+
+    ``partition_by`` and ``sort_by`` lay out its Iceberg table (``iceberg/terms.py`` has the syntax,
+    ``iceberg/layout.py`` how they are applied and evolved). Each item is validated on its own, so an
+    error names it (``tables.0.partition_by.1``)."""
 
     name: str
     primary_key: list[str] | None = None
     iceberg_name: str | None = None
+    partition_by: list[Annotated[str, AfterValidator(_partition_expression)]] | None = None
+    sort_by: list[Annotated[str, AfterValidator(_sort_expression)]] | None = None
 
     @field_validator("name")
     @classmethod
@@ -100,6 +127,27 @@ class TableConfig(_Strict):
         if value is not None and not value:
             raise ValueError("primary_key must list at least one column")
         return value
+
+    @field_validator("partition_by", "sort_by")
+    @classmethod
+    def _each_column_once(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        # pyiceberg writes one partition value per source column: two fields of one column (day and
+        # hour, identity and bucket) make it refuse every write. A second sort key of a column is void.
+        parse = parse_partition_term if info.field_name == "partition_by" else parse_sort_term
+        repeated = repeated_columns([parse(item).column for item in value or []])
+        if repeated:
+            raise ValueError(f"column {repeated[0]} is listed twice: one item per column")
+        return value
+
+    @property
+    def partition_terms(self) -> tuple[PartitionTerm, ...]:
+        """``partition_by`` parsed (empty: unpartitioned)."""
+        return tuple(parse_partition_term(item) for item in self.partition_by or ())
+
+    @property
+    def sort_terms(self) -> tuple[SortTerm, ...]:
+        """``sort_by`` parsed (empty: unsorted)."""
+        return tuple(parse_sort_term(item) for item in self.sort_by or ())
 
     @property
     def schema_name(self) -> str:

@@ -12,6 +12,7 @@ from psycopg import sql
 from .config import PipelineConfig
 from .coordination.store import CoordinationStore, PipelineMeta, TableState
 from .errors import StartupCheckError, UnsupportedTypeError
+from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
 from .source.catalog import SourceTable, TypeResolver, describe_table, publication_tables, server_version, table_list
@@ -202,7 +203,8 @@ def _check_same_cluster(meta: PipelineMeta | None, system_identifier: str) -> No
 
 
 def _describe_tables(conn: psycopg.Connection, config: PipelineConfig) -> dict[str, SourceTable]:
-    """Each configured table's columns and key, by key; refuses a table with a type Iceberg cannot hold."""
+    """Each configured table's columns and key, by key; refuses a table with a type Iceberg cannot hold,
+    or a ``partition_by``/``sort_by`` its columns cannot take."""
     resolver = TypeResolver(conn)
     tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
     for table in tables.values():
@@ -210,6 +212,9 @@ def _describe_tables(conn: psycopg.Connection, config: PipelineConfig) -> dict[s
             iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
         except UnsupportedTypeError as exc:
             raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
+        problems = layout_problems(config.table(table.key), table.columns)
+        if problems:
+            raise StartupCheckError(f"{table.key}: " + "; ".join(problems))
     return tables
 
 

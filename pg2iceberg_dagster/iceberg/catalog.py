@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError, ProgrammingError
 from ..config import PipelineConfig, secret_from_env
 from ..source.catalog import SourceTable
 from .evolution import attnum_properties
+from .layout import initial_layout
 from .types import iceberg_schema
 
 T = TypeVar("T")
@@ -113,7 +114,8 @@ def table_identifier(config: PipelineConfig, table_key: str) -> tuple[str, str]:
 
 
 def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) -> Table:
-    """Load the mirror table, creating it (primary key as identifier fields) when missing."""
+    """Load the mirror table, creating it (primary key as identifier fields, the configured partition
+    spec and sort order) when missing."""
     identifier = table_identifier(config, source.key)
     namespace = identifier[:1]
     try:
@@ -125,7 +127,10 @@ def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) 
         catalog.create_namespace(namespace)
     schema = iceberg_schema(source.columns, source.primary_key)
     properties = {**config.iceberg.table_properties, **attnum_properties(schema, source.columns)}
-    return catalog.create_table_if_not_exists(identifier, schema, properties=properties)
+    spec, sort_order = initial_layout(schema, config.table(source.key), source.columns)
+    return catalog.create_table_if_not_exists(
+        identifier, schema, partition_spec=spec, sort_order=sort_order, properties=properties
+    )
 
 
 def commit_with_retry(operation: Callable[[], T], attempts: int = 8) -> T:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table, Transaction
+from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, IntegerType, LongType, NestedField
 
 from ..errors import ResyncRequiredError
@@ -96,13 +97,14 @@ def column_fit(current: IcebergType, wanted: IcebergType) -> ColumnFit:
     return "incompatible"
 
 
-def _json_property(table: Table, name: str) -> dict[str, Any]:
+def _json_property(table: Table | TableMetadata, name: str) -> dict[str, Any]:
     text = table.properties.get(name)
     return json.loads(text) if text else {}
 
 
-def column_attnums(table: Table) -> dict[int, int]:
-    """Field id -> the ``attnum`` of the source column it mirrors (fields recorded so far)."""
+def column_attnums(table: Table | TableMetadata) -> dict[int, int]:
+    """Field id -> the ``attnum`` of the source column it mirrors (fields recorded so far); of a table,
+    or of the metadata a transaction stages."""
     return {int(field_id): attnum for field_id, attnum in _json_property(table, COLUMN_ATTNUMS).items()}
 
 
@@ -404,15 +406,6 @@ def rebuild_schema(
     _apply_plan(transaction, table, plan, fills={}, key=key)
     transaction.set_properties(source_files_properties(files))
     return transaction, plan.changes
-
-
-def rebuild_schema_now(table: Table, table_key: str, columns: Sequence[SourceColumn], key: Sequence[str]) -> list[str]:
-    """Commit :func:`rebuild_schema` (when it changes anything) for a table whose rows are all about
-    to be deleted and read again; returns what changed."""
-    transaction, changes = rebuild_schema(table, table_key, columns, key, SourceFiles(None))
-    if changes:
-        transaction.commit_transaction()
-    return changes
 
 
 def without_pending_fills(table: Table, done: Sequence[int] | None = None) -> dict[str, str]:

@@ -42,6 +42,7 @@ from ..iceberg.evolution import (
     refuse_unidentified_columns,
     schema_follows_source,
 )
+from ..iceberg.layout import apply_layout
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceColumn, TypeResolver, describe_table, file_node
 from ..source.connection import connect
@@ -392,6 +393,10 @@ class Materializer:
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
+            if newest:
+                # A changed partition_by/sort_by, or a partition column dropped at the source, before
+                # Spark writes: its files take the spec from here on.
+                schema_changes += apply_layout(table, table_key, self.config.table(table_key), newest.columns)
             # Against the schema as evolved (a rename just applied takes the old name away).
             refuse_unidentified_columns(table, table_key, [relation.columns for relation, _ in staged])
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]

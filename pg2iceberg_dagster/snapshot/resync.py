@@ -39,6 +39,7 @@ from ..errors import Pg2IcebergError
 from ..faults import crash_point
 from ..iceberg.catalog import snapshot_summaries, table_identifier
 from ..iceberg.evolution import rebuild_schema
+from ..iceberg.layout import follow_layout
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceTable, source_files_seen_by
 from ..source.connection import connect
@@ -107,6 +108,8 @@ def resync_table(
         store.start_resync_copy(key, result.epoch)
         files = source_files_seen_by(config.source, source, holder.advertised.name)
         transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key, files)
+        # The copy is written with the spec the switch commits: the configured one, on the new fields.
+        changes += follow_layout(transaction, key, config.table(key), source.columns)
         result.schema_changes = tuple(changes)
         written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk)
     crash_point("resync.before_switch")

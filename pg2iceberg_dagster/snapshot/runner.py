@@ -26,8 +26,9 @@ from ..coordination.store import AdvertisedSnapshot, Chunk, CoordinationStore
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
-from ..iceberg.evolution import evolve_schema, rebuild_schema_now
-from ..source.catalog import SourceTable, published_keys_seen_by, source_files_seen_by
+from ..iceberg.evolution import evolve_schema, rebuild_schema
+from ..iceberg.layout import apply_layout, follow_layout
+from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_by
 from ..source.connection import connect
 from ..validation import StartupReport
 from .chunks import (
@@ -114,15 +115,24 @@ class SnapshotRunner:
         A table created by an earlier process follows the columns as they are now: a column renamed
         or added meanwhile is read under its new name by this process's chunks. An Iceberg table
         this pipeline has no state for (kept after the table left the config, which it rejoins now)
-        is rebuilt to the source's columns instead: every row is read again."""
+        is rebuilt to the source's columns instead: every row is read again. Either way the table
+        takes the configured partition spec and sort order before any chunk is written."""
         fresh = self.store.table_state(table.key) is None
+        layout = self.config.table(table.key)
 
         def follow() -> None:
             iceberg = ensure_table(self.catalog, self.config, table)
             if fresh:
-                rebuild_schema_now(iceberg, table.key, table.columns, table.primary_key)
+                # One commit: a field the rebuild deletes must leave the spec in the same one.
+                transaction, changes = rebuild_schema(
+                    iceberg, table.key, table.columns, table.primary_key, SourceFiles(None)
+                )
+                changes += follow_layout(transaction, table.key, layout, table.columns)
+                if changes:
+                    transaction.commit_transaction()
             else:
                 evolve_schema(iceberg, table.key, table.columns)
+                apply_layout(iceberg, table.key, layout, table.columns)
 
         commit_with_retry(follow)
         with connect(self.config.source) as conn:
