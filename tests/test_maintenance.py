@@ -34,11 +34,11 @@ MERGE_ON_READ = {f"write.{kind}.mode": "merge-on-read" for kind in ("merge", "up
 EAGER = {"snapshot_retention_hours": 0, "min_snapshots": 2, "orphan_min_age_hours": 0}
 
 
-def _config(source: SourceDb, **maintenance: Any) -> PipelineConfig:
-    base = source.config(["public.items"])
-    iceberg = base.iceberg.model_dump(mode="json", exclude_none=True)
+def _config(source: SourceDb, table: dict[str, Any] | None = None, **maintenance: Any) -> PipelineConfig:
+    tables = [table or {"name": "public.items"}]
+    iceberg = source.config(tables).iceberg.model_dump(mode="json", exclude_none=True)
     iceberg["table_properties"] = {**iceberg["table_properties"], **MERGE_ON_READ}
-    return source.config(["public.items"], iceberg=iceberg, maintenance={**EAGER, **maintenance})
+    return source.config(tables, iceberg=iceberg, maintenance={**EAGER, **maintenance})
 
 
 def _churn(source: SourceDb, pipeline: Pipeline, rounds: int) -> None:
@@ -114,6 +114,20 @@ def test_maintain_compacts_expires_and_removes_orphans_and_the_mirror_still_equa
     assert_mirrored(pipeline)
     # Merges go on over the compacted table.
     _churn(source, pipeline, 2)
+    assert_mirrored(pipeline)
+
+
+def test_maintain_compacts_a_partitioned_sorted_table_within_its_partitions(source: SourceDb) -> None:
+    table = {"name": "public.items", "partition_by": ["bucket(4, id)"], "sort_by": ["id"]}
+    config = _config(source, table)
+    pipeline = _churned(source, config, 4)
+    (result,) = pipeline.maintain()
+    assert result.skipped is None and result.rewrites.data_files_rewritten > 4
+    iceberg = _table(pipeline)
+    health = measured_health(iceberg, config.maintenance.target_file_size_bytes)
+    assert health.delete_files == 0 and health.data_files <= 4  # one file per bucket at most
+    buckets = [row["id_bucket_4"] for row in iceberg.inspect.files().column("partition").to_pylist()]
+    assert len(set(buckets)) == len(buckets)
     assert_mirrored(pipeline)
 
 
