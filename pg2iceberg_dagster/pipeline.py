@@ -26,6 +26,7 @@ from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
+from .metrics import PipelineMetrics
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
@@ -125,7 +126,13 @@ def _nothing_after(store: CoordinationStore) -> str:
 class Pipeline:
     """One configured pipeline. Opens connections lazily; close it when done."""
 
-    def __init__(self, config: PipelineConfig, spark_factory: Any = None, detached_holder: bool = False) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        spark_factory: Any = None,
+        detached_holder: bool = False,
+        metrics: PipelineMetrics | None = None,
+    ) -> None:
         self.config = resolve_tables(config)  # a schema entry's tables, as the source has them now
         # ``detached_holder``: the snapshot's holder runs as a process that outlives this one (see
         # snapshot.holder), as the CLI and Dagster runs need; else as a thread here.
@@ -136,6 +143,8 @@ class Pipeline:
         self._report: StartupReport | None = None
         self._spark: Any = None
         self._source: psycopg.Connection | None = None
+        # What ``run`` observes (merge durations); served by the caller, or by nobody.
+        self.metrics = metrics if metrics is not None else PipelineMetrics(self.config)
 
     def close(self) -> None:
         self.store.close()
@@ -335,6 +344,7 @@ class Pipeline:
             while not stop.is_set():
                 staged.clear()  # a flush during the merge below sets it again: merge right after
                 results = materializer.run_once()
+                self.metrics.record_merges(results)
                 copies.start_next(
                     any(r.waiting_for_snapshot for r in results.values()),
                     {key: r.resync_reason for key, r in results.items() if r.resync_reason},
