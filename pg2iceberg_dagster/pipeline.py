@@ -26,7 +26,7 @@ from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
-from .metrics import PipelineMetrics
+from .metrics import PipelineMetrics, serve_metrics_once
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
@@ -45,6 +45,7 @@ __all__ = [
     "Lag",
     "MergeResult",
     "Pipeline",
+    "PipelineMetrics",
     "ResyncResult",
     "SnapshotPlan",
     "TableCheckReport",
@@ -52,6 +53,7 @@ __all__ = [
     "TableSnapshotResult",
     "TableStatus",
     "build_spark_session",
+    "serve_metrics_once",
 ]
 
 log = logging.getLogger("pg2iceberg_dagster")

@@ -3,7 +3,7 @@ reports a materialization of each table's staged-log asset. The CLI ``stream`` r
 as a long-lived process; only one can hold the slot, and the other is told so (skip, no crash loop).
 
 The process that evaluates it (the code location server) also serves the pipeline's Prometheus
-metrics when ``metrics.port`` is set (``pg2iceberg_dagster.metrics``)."""
+metrics when ``metrics.port`` is set (``pg2iceberg_dagster/metrics.py``)."""
 
 from dagster import (
     AssetMaterialization,
@@ -17,7 +17,7 @@ from dagster import (
 
 from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.errors import SlotBusyError
-from pg2iceberg_dagster.metrics import serve_metrics_once
+from pg2iceberg_dagster.pipeline import serve_metrics_once
 from resources import Pg2IcebergResource
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
