@@ -122,7 +122,7 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
     # A pipeline per version of the config file it follows (``pipeline`` is the first one's config).
-    run_following_config(args.config, _stop_on_signals())
+    run_following_config(args.config, _stop_on_signals(), metrics_port=args.metrics_port)
     return 0
 
 
@@ -286,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "materialize":
             command.add_argument("--once", action="store_true", help="one pass up to the current head, then exit")
             command.add_argument("--table", action="append", help="only this table (repeatable)")
+        if name == "run":
+            command.add_argument(
+                "--metrics-port",
+                type=int,
+                metavar="N",
+                help="serve Prometheus metrics on this port (overrides metrics.port)",
+            )
         if name == "verify":
             command.add_argument(
                 "--catch-up", action="store_true", help="flush and merge up to the current WAL position first"

@@ -345,6 +345,15 @@ class ValuesConfig(_Strict):
     out_of_range: OutOfRange = "clamp"
 
 
+class MetricsConfig(_Strict):
+    """Prometheus metrics served over HTTP by ``run`` and by the Dagster code location that runs the
+    flusher sensor (``metrics.py``): off unless ``port`` is set."""
+
+    port: int | None = Field(None, ge=1, le=65535)
+    # Loopback by default: the endpoint needs no credentials, so exposing it is a deliberate choice.
+    host: str = "127.0.0.1"
+
+
 class SchemaSelection(_Strict):
     """Every table of a schema whose name matches an ``include`` glob and no ``exclude`` glob
     (ordinary and partitioned tables, not partitions): ``{schema: app, exclude: ["tmp_*"]}`` in
@@ -359,7 +368,7 @@ class SchemaSelection(_Strict):
 
 
 class PipelineConfig(_Strict):
-    """The whole pipeline: source, tables, replication, state, staging, Iceberg, Spark."""
+    """The whole pipeline: source, tables, replication, state, staging, Iceberg, Spark, metrics."""
 
     source: PostgresConnection
     tables: list[TableConfig]
@@ -375,6 +384,7 @@ class PipelineConfig(_Strict):
     materialize: MaterializeConfig = MaterializeConfig()
     values: ValuesConfig = ValuesConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from pathlib import Path
 from .cleanup import remove_tables
 from .config import PipelineConfig, load_config
 from .errors import Pg2IcebergError
+from .metrics import serve_metrics
 from .pipeline import Pipeline
 from .source.selection import resolve_tables
 
@@ -82,20 +83,23 @@ class ConfigWatch:
                 self.changed.set()
 
 
-def run_following_config(path: str | os.PathLike[str], stop: threading.Event) -> None:
-    """``run`` with the config at ``path``, following its changes until ``stop`` is set."""
+def run_following_config(path: str | os.PathLike[str], stop: threading.Event, metrics_port: int | None = None) -> None:
+    """``run`` with the config at ``path``, following its changes until ``stop`` is set. Metrics are
+    served on ``metrics_port`` (default ``metrics.port`` as the config says at start) throughout."""
     loaded = load_config(path)
     config = resolve_tables(loaded)
-    while True:
-        watch = ConfigWatch(path, loaded, config, stop)
-        with Pipeline(config, detached_holder=True) as pipeline:
-            pipeline.run(watch.changed)
-            if stop.is_set() or watch.new_config is None:
-                return
-            new = watch.new_config
-            removed = [t for t in config.tables if t.key not in {n.key for n in new.tables}]
-            added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
-            log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
-            if removed:
-                remove_tables(config, pipeline.store, pipeline.catalog, removed, new.iceberg.drop_removed_tables)
-        loaded, config = watch.loaded, new
+    with serve_metrics(config, metrics_port) as metrics:
+        while True:
+            metrics.follow(config)
+            watch = ConfigWatch(path, loaded, config, stop)
+            with Pipeline(config, detached_holder=True, metrics=metrics) as pipeline:
+                pipeline.run(watch.changed)
+                if stop.is_set() or watch.new_config is None:
+                    return
+                new = watch.new_config
+                removed = [t for t in config.tables if t.key not in {n.key for n in new.tables}]
+                added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
+                log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
+                if removed:
+                    remove_tables(config, pipeline.store, pipeline.catalog, removed, new.iceberg.drop_removed_tables)
+            loaded, config = watch.loaded, new

@@ -27,6 +27,7 @@ from .iceberg.catalog import open_catalog, table_identifier
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
+from .metrics import PipelineMetrics, serve_metrics_once
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
@@ -45,6 +46,7 @@ __all__ = [
     "Lag",
     "MergeResult",
     "Pipeline",
+    "PipelineMetrics",
     "ResyncResult",
     "SnapshotPlan",
     "TableCheckReport",
@@ -52,6 +54,7 @@ __all__ = [
     "TableSnapshotResult",
     "TableStatus",
     "build_spark_session",
+    "serve_metrics_once",
 ]
 
 log = logging.getLogger("pg2iceberg_dagster")
@@ -128,7 +131,13 @@ def _nothing_after(store: CoordinationStore) -> str:
 class Pipeline:
     """One configured pipeline. Opens connections lazily; close it when done."""
 
-    def __init__(self, config: PipelineConfig, spark_factory: Any = None, detached_holder: bool = False) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        spark_factory: Any = None,
+        detached_holder: bool = False,
+        metrics: PipelineMetrics | None = None,
+    ) -> None:
         self.config = resolve_tables(config)  # a schema entry's tables, as the source has them now
         # ``detached_holder``: the snapshot's holder runs as a process that outlives this one (see
         # snapshot.holder), as the CLI and Dagster runs need; else as a thread here.
@@ -139,6 +148,8 @@ class Pipeline:
         self._report: StartupReport | None = None
         self._spark: Any = None
         self._source: psycopg.Connection | None = None
+        # What ``run`` observes (merge durations); served by the caller, or by nobody.
+        self.metrics = metrics if metrics is not None else PipelineMetrics(self.config)
 
     def close(self) -> None:
         self.store.close()
@@ -355,13 +366,14 @@ class Pipeline:
         thread = threading.Thread(target=stream, name="flusher", daemon=True)
         thread.start()
         materializer = self.materializer()
-        upkeep = _Upkeep(self.maintainer()) if self.config.maintenance.enabled else None
+        upkeep = _Upkeep(self.maintainer(), self.metrics) if self.config.maintenance.enabled else None
         copies = _CopyWorker(self.config)
         wait = interval if interval is not None else self.config.materialize.interval_seconds
         try:
             while not stop.is_set():
                 staged.clear()  # a flush during the merge below sets it again: merge right after
                 results = materializer.run_once()
+                self.metrics.record_merges(results)
                 if upkeep is not None:
                     upkeep.after_merges(results)
                 copies.start_next(
@@ -518,8 +530,9 @@ class _Upkeep:
     """Maintenance inside ``run``: between merges, a pass over each table that is due (see
     maintenance.Maintainer.due), looked for at most every :data:`UPKEEP_CHECK_SECONDS`."""
 
-    def __init__(self, maintainer: Maintainer) -> None:
+    def __init__(self, maintainer: Maintainer, metrics: PipelineMetrics) -> None:
         self.maintainer = maintainer
+        self.metrics = metrics
         self.merged: set[str] = set()
         self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
 
@@ -530,6 +543,7 @@ class _Upkeep:
         for key, reason in self.maintainer.due(self.merged).items():
             done = self.maintainer.maintain(key, reason)
             if not done.skipped:
+                self.metrics.record_maintenance(key, done.seconds)
                 log.info("maintained %s (%s) in %.1f s: %s", key, reason, done.seconds, _maintenance_line(done))
         self.merged.clear()
         self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS

@@ -1,6 +1,9 @@
 """The WAL flusher as a sensor: each tick streams for a bounded time, stages what committed, and
 reports a materialization of each table's staged-log asset. The CLI ``stream`` runs the same flusher
-as a long-lived process; only one can hold the slot, and the other is told so (skip, no crash loop)."""
+as a long-lived process; only one can hold the slot, and the other is told so (skip, no crash loop).
+
+The process that evaluates it (the code location server) also serves the pipeline's Prometheus
+metrics when ``metrics.port`` is set (``pg2iceberg_dagster/metrics.py``)."""
 
 from dagster import (
     AssetMaterialization,
@@ -14,6 +17,7 @@ from dagster import (
 
 from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.errors import SlotBusyError
+from pg2iceberg_dagster.pipeline import serve_metrics_once
 from resources import Pg2IcebergResource
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
@@ -31,6 +35,7 @@ def flusher_sensor(translator: Pg2IcebergTranslator, tick_seconds: float = TICK_
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
+            serve_metrics_once(pipeline.config)  # the first tick starts the endpoint, later ones pass
             try:
                 tick = pipeline.flush_tick(max_seconds=tick_seconds)
             except SlotBusyError as exc:

@@ -6,8 +6,10 @@ so tests never see each other's state while sharing the expensive parts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.coordination.store import Chunk
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
+from pg2iceberg_dagster.lifecycle import run_following_config
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.snapshot.chunks import WrittenChunk
 from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
@@ -172,6 +175,28 @@ def sync(pipeline: Pipeline) -> None:
     pipeline.stream(until_caught_up=True)
     results = pipeline.materialize()
     assert not any(r.waiting_for_snapshot for r in results.values())
+
+
+@contextlib.contextmanager
+def running(path: Path, metrics_port: int | None = None) -> Iterator[list[BaseException]]:
+    """``run`` following the config at ``path`` in a thread; yields the errors it raised (none, at the end)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_following_config(path, stop, metrics_port=metrics_port)
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        runner.join()
+    assert not errors
 
 
 def assert_mirrored(pipeline: Pipeline) -> None:

@@ -4,10 +4,8 @@ config is ignored. Every step is checked against the live source, row by row."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,11 @@ import yaml
 
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
-from pg2iceberg_dagster.lifecycle import POLL_SECONDS, run_following_config
+from pg2iceberg_dagster.lifecycle import POLL_SECONDS
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.staging.store import ObjectStore
 
-from .conftest import SourceDb
+from .conftest import SourceDb, running
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -54,28 +52,6 @@ def _published(source: SourceDb, config: PipelineConfig) -> set[str]:
     return {name for (name,) in rows}
 
 
-@contextlib.contextmanager
-def _running(path: Path) -> Iterator[list[BaseException]]:
-    """``run`` following the config at ``path`` in a thread; yields the errors it raised (none, at the end)."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            run_following_config(path, stop)
-        except BaseException as exc:
-            errors.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    try:
-        yield errors
-    finally:
-        stop.set()
-        runner.join()
-    assert not errors
-
-
 def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceDb, tmp_path: Path) -> None:
     for name in ("a", "b"):
         source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
@@ -86,7 +62,7 @@ def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceD
     path = tmp_path / "pg2iceberg.yaml"
     _write(path, only_a)
 
-    with _running(path) as errors:
+    with running(path) as errors:
         _wait(lambda: _mirrored(source, only_a), errors, "a mirrored")
         assert _published(source, only_a) == {"public.a"}
 
@@ -179,7 +155,7 @@ def test_a_schema_entry_mirrors_its_tables_and_those_created_later(source: Sourc
 
         return check
 
-    with _running(path) as errors:
+    with running(path) as errors:
         _wait(mirrored({"app.a", "app.parted"}), errors, "the schema's tables mirrored")
         source.execute("CREATE TABLE app.created_later (id int PRIMARY KEY, v text)")
         source.execute("INSERT INTO app.created_later SELECT g, 'later' FROM generate_series(1, 100) g")

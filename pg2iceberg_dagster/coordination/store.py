@@ -134,9 +134,10 @@ def _lsn(value: str | None) -> int | None:
 class CoordinationStore:
     """The ``_pg2iceberg`` schema in the state database (the source database by default)."""
 
-    def __init__(self, target: PostgresConnection) -> None:
+    def __init__(self, target: PostgresConnection, conn: psycopg.Connection | None = None) -> None:
+        """``conn``: an open autocommit connection to ``target`` to use instead of a new one."""
         self.target = target
-        self.conn = connect(target)
+        self.conn = conn if conn is not None else connect(target)
 
     def close(self) -> None:
         self.conn.close()
@@ -455,6 +456,25 @@ class CoordinationStore:
         ).fetchone()
         assert row is not None
         return Lag(int(row[0]), int(row[1]))
+
+    def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
+        """Every staged table's :meth:`lag` for ``group``, with the age in seconds of its oldest
+        unmerged staged change (0 when none): the time since the file holding it was registered, by
+        the state database's clock. One query, cheap however long the log: it reads only the entry
+        holding the cursor (through the primary key), not the applied entries cleanup has not
+        deleted yet."""
+        rows = self.conn.execute(
+            "SELECT s.table_name, c.cursor, s.next_offset, coalesce(("
+            "  SELECT extract(epoch FROM now() - i.created_at)::float8 FROM _pg2iceberg.log_index i"
+            "  WHERE i.table_name = s.table_name AND i.end_offset > c.cursor AND i.start_offset >= coalesce(("
+            "    SELECT max(j.start_offset) FROM _pg2iceberg.log_index j"
+            "    WHERE j.table_name = s.table_name AND j.start_offset <= c.cursor), 0)"
+            "  ORDER BY i.start_offset LIMIT 1), 0) "
+            "FROM _pg2iceberg.log_seq s CROSS JOIN LATERAL (SELECT coalesce((SELECT m.next_offset "
+            "FROM _pg2iceberg.mat_cursor m WHERE m.group_name = %s AND m.table_name = s.table_name), 0) AS cursor) c",
+            (group,),
+        )
+        return {name: (Lag(int(cursor), int(head)), float(age)) for name, cursor, head, age in rows}
 
     def min_mat_cursor(self, table_name: str) -> int:
         row = self.conn.execute(

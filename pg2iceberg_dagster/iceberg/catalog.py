@@ -61,6 +61,9 @@ def catalog_properties(config: PipelineConfig) -> dict[str, str]:
             host=pg.host,
             port=pg.port,
             database=pg.dbname,
+            # Give up as the config says, as every other connection does, instead of hanging on a
+            # host that drops packets.
+            query={"connect_timeout": str(pg.connect_timeout)},
         )
         properties["uri"] = url.render_as_string(hide_password=False)
     return {**properties, **shared_catalog_properties(config)}
