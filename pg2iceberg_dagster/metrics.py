@@ -36,6 +36,7 @@ from .config import PipelineConfig, PostgresConnection, secret_from_env
 from .coordination.store import CoordinationStore, Lag
 from .errors import Pg2IcebergError
 from .iceberg.catalog import open_catalog, table_identifier
+from .maintenance.health import summary_health
 from .source.connection import connect
 from .source.lsn import parse_lsn
 
@@ -79,12 +80,14 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg2iceberg_scrape_seconds": ("How long reading these metrics took", ()),
 }
 
-# Iceberg snapshot summary property -> gauge (Iceberg keeps these totals in every snapshot summary).
-SUMMARY_TOTALS = {
-    "total-data-files": "pg2iceberg_iceberg_data_files",
-    "total-delete-files": "pg2iceberg_iceberg_delete_files",
-    "total-files-size": "pg2iceberg_iceberg_bytes",
-    "total-records": "pg2iceberg_iceberg_records",
+# Gauge -> field of the table's summary health (maintenance.health: totals Iceberg keeps in every
+# snapshot summary, and the snapshot count; no manifest is read).
+HEALTH_GAUGES = {
+    "pg2iceberg_iceberg_data_files": "data_files",
+    "pg2iceberg_iceberg_delete_files": "delete_files",
+    "pg2iceberg_iceberg_bytes": "bytes",
+    "pg2iceberg_iceberg_records": "records",
+    "pg2iceberg_iceberg_snapshots": "snapshots",
 }
 
 
@@ -233,11 +236,9 @@ class PipelineCollector(Collector):
                 iceberg = catalog.load_table(table_identifier(config, table.key))
             except NoSuchTableError:
                 continue  # its snapshot has not created it yet
-            snapshot = iceberg.current_snapshot()
-            summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
-            for prop, name in SUMMARY_TOTALS.items():
-                families.set(name, float(summary.get(prop, 0)), table.key)
-            families.set("pg2iceberg_iceberg_snapshots", len(iceberg.metadata.snapshots), table.key)
+            health = summary_health(iceberg)
+            for name, field in HEALTH_GAUGES.items():
+                families.set(name, float(getattr(health, field)), table.key)
 
     def close(self) -> None:
         """Close the kept connections."""
