@@ -541,7 +541,12 @@ class _Upkeep:
         if time.monotonic() < self.next_check:
             return
         for key, reason in self.maintainer.due(self.merged).items():
-            done = self.maintainer.maintain(key, reason)
+            try:
+                done = self.maintainer.maintain(key, reason)
+            except Exception:
+                # Upkeep is not what keeps the mirror exact: merges go on, the next check tries again.
+                log.error("maintenance of %s failed; merges go on, the next check retries it", key, exc_info=True)
+                continue
             if not done.skipped:
                 self.metrics.record_maintenance(key, done.seconds)
                 log.info("maintained %s (%s) in %.1f s: %s", key, reason, done.seconds, _maintenance_line(done))

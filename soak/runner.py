@@ -33,6 +33,8 @@ from psycopg import sql
 from pg2iceberg_dagster.cleanup import collect_garbage
 from pg2iceberg_dagster.config import PipelineConfig, load_config
 from pg2iceberg_dagster.faults import CRASH_ENV
+from pg2iceberg_dagster.iceberg.catalog import table_identifier
+from pg2iceberg_dagster.maintenance.orphans import orphan_files
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.verify import TableDiff
 
@@ -48,6 +50,7 @@ STREAM_FAULTS = [
 ]
 MATERIALIZE_FAULT = "materializer.after_commit"
 RESYNC_FAULTS = ["resync.before_switch", "resync.after_switch", "kill"]
+MAINTENANCE_FAULTS = ["maintenance.after_compaction", "maintenance.after_expiry", "kill"]
 
 
 @dataclass
@@ -146,6 +149,14 @@ def write_config(cluster: Cluster, name: str, tables: list[str], directory: Path
         "snapshot": {"chunk_pages": 4, "parallelism": 2},
         "flush": {"interval_seconds": 0.3, "max_rows": 2000, "txn_memory_bytes": 256 * 1024},
         "materialize": {"interval_seconds": 1},
+        # Eager maintenance: every pass compacts, expires and deletes orphans. An orphan age of 0 is
+        # safe here only because no other process writes Iceberg while a pass runs.
+        "maintenance": {
+            "compact_at_files": 2,
+            "snapshot_retention_hours": 0,
+            "min_snapshots": 2,
+            "orphan_min_age_hours": 0,
+        },
     }
     path = directory / "pg2iceberg.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -277,6 +288,8 @@ class Scenario:
             self._record_death(fault, code)
             if self.rng.random() < 0.5:
                 self._pipeline_call(self._merge)  # a merge while the log keeps growing
+            if self.rng.random() < 0.25:
+                self._maintain()
             if self.rng.random() < 0.2:
                 self._change_tables()
 
@@ -296,6 +309,17 @@ class Scenario:
         for table_key in pipeline.resyncs_pending():
             pipeline.resync(table_key)
         pipeline.materialize()
+
+    def _maintain(self) -> None:
+        """A ``maintain`` child that may die inside its pass; a pass in this process finishes it."""
+        fault = self.rng.choice(MAINTENANCE_FAULTS)
+        child = self._child(["maintain"], None if fault == "kill" else fault)
+        if fault == "kill":
+            time.sleep(self.rng.uniform(0.5, 4.0))
+            child.kill()
+        self._record_death(fault, child.wait(600))
+        self._pipeline_call(lambda pipeline: pipeline.maintain())
+        self.workload.kinds["maintain"] += 1
 
     def _pipeline_call(self, action: Any) -> Any:
         assert self.config_path is not None
@@ -337,6 +361,15 @@ class Scenario:
             pipeline.stream(until_caught_up=True)
             self._merge(pipeline)
             collect_garbage(pipeline.config, pipeline.store)
+            self.result.divergences.extend(divergences_of(pipeline.verify()))
+            # After a last pass, nothing under a table's location is unreferenced: every crash's
+            # leftovers were found.
+            pipeline.maintain()
+            for table in pipeline.config.tables:
+                iceberg = pipeline.catalog.load_table(table_identifier(pipeline.config, table.key))
+                left = orphan_files(iceberg, 0)
+                if left:
+                    self.result.divergences.append({"table": table.key, "orphans_left": left[:5]})
             self.result.divergences.extend(divergences_of(pipeline.verify()))
 
         self._pipeline_call(catch_up_and_verify)
