@@ -196,7 +196,13 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
         snap += f" (epoch {t.snapshot_epoch})" if t.snapshot_epoch is not None else ""
         lag = f"staged log head {t.lag.log_head}, mat_cursor {t.lag.mat_cursor}, lag {t.lag.changes}"
         resync = f"; resync pending: {t.resync_reason}" if t.resync_reason else ""
-        print(f"{t.table}: snapshot {snap}; {lag}{resync}")
+        files = (
+            f"; Iceberg {t.iceberg.data_files} data files, {t.iceberg.delete_files} delete files, "
+            f"{t.iceberg.snapshots} snapshots"
+            if t.iceberg
+            else ""
+        )
+        print(f"{t.table}: snapshot {snap}; {lag}{resync}{files}")
     return 0
 
 

@@ -24,7 +24,7 @@ from .coordination.store import Chunk, CoordinationStore, Lag
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
-from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health
+from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .metrics import PipelineMetrics, serve_metrics_once
@@ -75,6 +75,7 @@ class TableStatus:
     lag: Lag
     snapshot_epoch: int | None = None  # the exported snapshot the table's rows were read under
     resync_reason: str | None = None  # an online resync is pending or running, for this reason
+    iceberg: TableHealth | None = None  # files and snapshots of its Iceberg table (None: not created yet)
 
     def as_json(self) -> dict[str, Any]:
         """Plain data for ``status --json``."""
@@ -88,6 +89,7 @@ class TableStatus:
             "lag": self.lag.changes,
             "snapshot_epoch": self.snapshot_epoch,
             "resync_reason": self.resync_reason,
+            "iceberg": self.iceberg.as_dict() if self.iceberg else None,
         }
 
 
@@ -244,6 +246,12 @@ class Pipeline:
         """The table's data and delete files, small files and snapshots (see maintenance.health)."""
         table = self.catalog.load_table(table_identifier(self.config, table_key))
         return measured_health(table, self.config.maintenance.target_file_size_bytes)
+
+    def _summary_health(self, table_key: str) -> TableHealth | None:
+        try:
+            return summary_health(self.catalog.load_table(table_identifier(self.config, table_key)))
+        except NoSuchTableError:
+            return None
 
     def maintainer(self) -> Maintainer:
         return Maintainer(self.config, self.store, self.catalog, self.spark)
@@ -461,6 +469,7 @@ class Pipeline:
                     lag=self.store.lag(self.config.materialize.group, table.key),
                     snapshot_epoch=state.snapshot_epoch if state else None,
                     resync_reason=state.resync_reason if state else None,
+                    iceberg=self._summary_health(table.key),
                 )
             )
         flushed = self.store.flushed_lsn()
