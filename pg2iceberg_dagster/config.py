@@ -317,13 +317,14 @@ class MaintenanceConfig(_Strict):
     delete files that are more than ``max_delete_ratio`` per data file."""
 
     enabled: bool = True
-    interval_minutes: float = Field(60.0, gt=0)
+    interval_minutes: float = Field(15.0, gt=0)
     target_file_size_mb: float = Field(128.0, gt=0)
     compact_at_files: int = Field(50, ge=2)
     max_delete_ratio: float = Field(0.2, ge=0)
     # Snapshots younger than this stay (time travel, readers in flight); the newest ``min_snapshots``
-    # stay whatever their age.
-    snapshot_retention_hours: float = Field(24.0, ge=0)
+    # stay whatever their age. A mirror commits every few seconds: a day of snapshots would make every
+    # commit rewrite megabytes of metadata, so the default keeps an hour.
+    snapshot_retention_hours: float = Field(1.0, ge=0)
     min_snapshots: int = Field(5, ge=1)
     # A file no snapshot references is deleted only once it is this old: a commit in flight elsewhere
     # (another engine writing the table) may still add it.
