@@ -8,7 +8,9 @@ pipeline mirrors only tables with a primary key), two more pgoutput slots at tha
 TPC-B load (``pgbench -n -c 2 -t N``) with nobody consuming, so the WAL accumulates. Then:
 
 1. the count: ``pg_logical_slot_peek_binary_changes`` on one extra slot up to the end of the load gives
-   the number of row changes (Insert, Update and Delete messages); both rates use that number;
+   the number of row changes (Insert, Update and Delete messages); every rate uses that number. It is
+   also timed: the server's decoding of the same WAL alone (no wire, no client), a limit that does not
+   depend on how much CPU a client's walsender spends (pg_recvlogical's spends about 3x ours);
 2. the limit: ``pg_recvlogical --start`` (pgoutput, same publication) drains another extra slot to
    ``--endpos`` into /dev/null: the walsender's decoding plus the wire, with nothing done client side;
    it runs once before ours and once after, on two slots, and their mean time is the limit (the
@@ -168,18 +170,21 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
     return config, end_lsn, facts
 
 
-def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int]:
-    """(row changes, pgoutput bytes) the publication yields up to ``end_lsn``, decoded by the server."""
+def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, float]:
+    """(row changes, pgoutput bytes, seconds) the publication yields up to ``end_lsn``, decoded by the
+    server alone in one SQL call."""
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        started = time.perf_counter()
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE get_byte(data, 0) IN (73, 85, 68)), coalesce(sum(octet_length(data)), 0) "
             "FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
             "'proto_version', '1', 'publication_names', %s)",
             (COUNT_SLOT, format_lsn(end_lsn), publication),
         ).fetchone()
+        seconds = time.perf_counter() - started
         conn.execute("SELECT pg_drop_replication_slot(%s)", (COUNT_SLOT,))
     assert row is not None
-    return int(row[0]), int(row[1])
+    return int(row[0]), int(row[1]), seconds
 
 
 def run_pg_recvlogical(pg: Any, slot: str, publication: str, end_lsn: int) -> Phase:
@@ -213,8 +218,12 @@ def main() -> None:
     with work_dir(args.dir) as root, bench_cluster(root, {"max_wal_size": "8GB"}) as pg:
         config, end_lsn, facts = prepare(pg, root, args.scale, args.transactions)
         publication = config.replication.publication
-        changes, wire_bytes = count_changes(pg, publication, end_lsn)
+        changes, wire_bytes, decoding_seconds = count_changes(pg, publication, end_lsn)
         report.parameters.update(facts, changes=changes, pgoutput_bytes=wire_bytes, end_lsn=format_lsn(end_lsn))
+        report.add(
+            "server decoding alone (peek)", changes, round(decoding_seconds, 2), round(changes / decoding_seconds),
+            "-", wire_bytes, round(wire_bytes / decoding_seconds / 1e6, 1), "-", "-", "-", "-",
+        )  # fmt: skip
 
         limits = [run_pg_recvlogical(pg, LIMIT_SLOTS[0], publication, end_lsn)]
         with Pipeline(config) as pipeline:
@@ -239,6 +248,8 @@ def main() -> None:
     # Same change count: the ratio of rates is the inverse ratio of the times.
     ratio = limit_seconds / ours.seconds
     report.ratio("flusher_vs_pg_recvlogical", ratio, 0.8)
+    # The server decodes for us as it does for the peek, so this is how close to the decoder we get.
+    report.ratio("flusher_vs_server_decoding", decoding_seconds / ours.seconds)
     report.parameters["cpu_us_per_change"] = breakdown = cpu_breakdown(limits, ours, stats.stage_seconds, changes)
     report.parameters["why"] = explain(breakdown, ours, ratio)
     report.emit(args.json)
