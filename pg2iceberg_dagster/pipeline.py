@@ -256,6 +256,11 @@ class Pipeline:
     def maintainer(self) -> Maintainer:
         return Maintainer(self.config, self.store, self.catalog, self.spark)
 
+    def maintenance_due(self) -> dict[str, str]:
+        """Tables due for a maintenance pass now, with why (see maintenance.Maintainer.due)."""
+        self.store.migrate()  # before the first snapshot there is nothing to maintain, and no error either
+        return self.maintainer().due()
+
     def maintain(
         self, table_keys: list[str] | None = None, due_only: bool = False, reason: str = "requested"
     ) -> list[MaintenanceResult]:

@@ -31,7 +31,7 @@ def maintenance_sensor(translator: Pg2IcebergTranslator, job) -> SensorDefinitio
     )
     def _maintenance(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
-            due = pipeline.maintainer().due()
+            due = pipeline.maintenance_due()
         runs = [
             RunRequest(partition_key=key, tags={"pg2iceberg/maintenance_reason": reason[:200]})
             for key, reason in due.items()

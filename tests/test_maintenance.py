@@ -257,3 +257,24 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[FILES_COMPACT].passed
     assert_mirrored(pipeline)
+
+
+def test_the_maintenance_sensor_skips_a_pipeline_that_has_not_run_yet(source: SourceDb, tmp_path: Path) -> None:
+    from dagster import SkipReason, build_sensor_context, instance_for_test
+
+    from definitions import build_definitions
+    from resources import Pg2IcebergResource, SparkResource
+
+    source.execute("CREATE TABLE items (id int PRIMARY KEY, note text)")
+    config = _config(source)
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    resource = Pg2IcebergResource(config_path=str(path))
+    with (
+        instance_for_test() as instance,
+        build_sensor_context(
+            instance=instance, resources={"pg2iceberg": resource, "spark": SparkResource(pg2iceberg=resource)}
+        ) as context,
+    ):
+        ticked = build_definitions(path).resolve_sensor_def("pg2iceberg_maintenance")(context)
+    assert isinstance(ticked, SkipReason) and "no table is due" in (ticked.skip_message or "")
