@@ -24,6 +24,7 @@ from pg2iceberg_dagster.coordination.memory import InMemoryCoordinationStore
 from pg2iceberg_dagster.coordination.protocol import StagedLogStore
 from pg2iceberg_dagster.coordination.store import Chunk, CoordinationStore, Lag, LogEntry, StagedFile
 from pg2iceberg_dagster.errors import LeaseBusyError
+from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.materializer.merge import Materializer
 
 Store = InMemoryCoordinationStore | CoordinationStore
@@ -337,7 +338,9 @@ def test_materializer_waits_for_the_snapshot_and_for_changes(tmp_path: Path) -> 
     assert not result.waiting_for_snapshot and result.batches == 0 and result.lag == Lag(5, 5)
 
 
-def test_materializer_takes_the_lease_before_anything_else(tmp_path: Path) -> None:
+def test_materializer_takes_the_lease_before_anything_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A merge waits for a busy lease (10 minutes in production) before it gives up: not here.
+    monkeypatch.setattr(merge_module, "LEASE_WAIT_SECONDS", 1.0)
     store = InMemoryCoordinationStore()
     materializer = _materializer(tmp_path, store)
     store.start_table_snapshot("public.a", 1, "public.a", 100, [Chunk("public.a", 0, 0, None)])
@@ -346,6 +349,31 @@ def test_materializer_takes_the_lease_before_anything_else(tmp_path: Path) -> No
     with store.writer_lease("g", "public.a", "someone"), pytest.raises(LeaseBusyError, match="someone"):
         materializer.materialize_table("public.a")
     assert store.mat_cursor("g", "public.a") == 0
+
+
+def test_a_merge_waits_for_a_lease_let_go_within_the_wait(tmp_path: Path) -> None:
+    """A maintenance pass or another merge holding the lease: the merge waits, then merges."""
+    store = InMemoryCoordinationStore()
+    materializer = _materializer(tmp_path, store)
+    store.start_table_snapshot("public.a", 1, "public.a", 100, [Chunk("public.a", 0, 0, None)])
+    store.mark_snapshot_complete("public.a")
+    stage(store, "public.a", [5])
+    held = threading.Event()
+
+    def hold_briefly() -> None:
+        with store.writer_lease("g", "public.a", "maintenance"):
+            held.set()
+            threading.Event().wait(1.0)
+
+    holder = threading.Thread(target=hold_briefly)
+    holder.start()
+    held.wait()
+    try:
+        # Past the lease the merge starts Spark, which this test's materializer refuses to.
+        with pytest.raises(AssertionError, match="Spark was started"):
+            materializer.materialize_table("public.a")
+    finally:
+        holder.join()
 
 
 def test_materializer_replays_in_the_tables_epoch(tmp_path: Path) -> None:
