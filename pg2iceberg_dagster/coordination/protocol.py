@@ -108,16 +108,13 @@ def writer_lease_within(
     """Hold the table's writer lease, waiting up to ``wait_seconds`` while another writer (a merge,
     maintenance) holds it; then LeaseBusyError naming the holder."""
     deadline = time.monotonic() + wait_seconds
-    while True:
-        lease = store.writer_lease(group, table_name, worker_id)
-        try:
-            lease.__enter__()
-        except LeaseBusyError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(LEASE_RETRY_SECONDS)
-            continue
-        break
     with contextlib.ExitStack() as stack:
-        stack.push(lease)
+        while True:
+            try:
+                stack.enter_context(store.writer_lease(group, table_name, worker_id))
+                break
+            except LeaseBusyError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(LEASE_RETRY_SECONDS)
         yield
