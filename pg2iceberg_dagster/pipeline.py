@@ -320,10 +320,9 @@ class Pipeline:
         schema = table.schema()
         key = {schema.find_field(field_id).name for field_id in schema.identifier_field_ids}
         snapshot = table.current_snapshot()
-        summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
         return IcebergTableSummary(
             columns=[(f.name, str(f.field_type), f.name in key) for f in schema.fields],
-            row_count=int(summary.get("total-records", 0)),
+            row_count=summary_health(table).records,
             snapshot_id=snapshot.snapshot_id if snapshot else None,
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pyiceberg.manifest import DataFileContent
@@ -55,7 +55,7 @@ def measured_health(table: Table, target_file_size_bytes: int) -> TableHealth:
     health = summary_health(table)
     snapshot = table.current_snapshot()
     if snapshot is None:
-        return TableHealth(**{**asdict(health), "small_files": 0})
+        return replace(health, small_files=0)
     small = 0
     limit = SMALL_FILE_SHARE * target_file_size_bytes
     for manifest in snapshot.manifests(table.io):
@@ -63,7 +63,7 @@ def measured_health(table: Table, target_file_size_bytes: int) -> TableHealth:
             data_file = entry.data_file
             if data_file.content == DataFileContent.DATA and data_file.file_size_in_bytes < limit:
                 small += 1
-    return TableHealth(**{**asdict(health), "small_files": small})
+    return replace(health, small_files=small)
 
 
 def compaction_due(health: TableHealth, config: MaintenanceConfig) -> str | None:
