@@ -300,24 +300,24 @@ class Scenario:
         if not pipeline.resyncs_pending():
             return
         if self.rng.random() < 0.5:
-            fault = self.rng.choice(RESYNC_FAULTS)
-            child = self._child(["resync"], None if fault == "kill" else fault)
-            if fault == "kill":
-                time.sleep(self.rng.uniform(0.5, 3.0))
-                child.kill()
-            self._record_death(fault, child.wait(600))
+            self._child_that_may_die(["resync"], RESYNC_FAULTS, kill_within=3.0)
         for table_key in pipeline.resyncs_pending():
             pipeline.resync(table_key)
         pipeline.materialize()
 
-    def _maintain(self) -> None:
-        """A ``maintain`` child that may die inside its pass; a pass in this process finishes it."""
-        fault = self.rng.choice(MAINTENANCE_FAULTS)
-        child = self._child(["maintain"], None if fault == "kill" else fault)
+    def _child_that_may_die(self, args: list[str], faults: list[str], kill_within: float) -> None:
+        """Run the command ``args`` in a child armed with one of ``faults``: a crash point it dies at,
+        or a kill from outside after 0.5 to ``kill_within`` seconds; record how it ended."""
+        fault = self.rng.choice(faults)
+        child = self._child(args, None if fault == "kill" else fault)
         if fault == "kill":
-            time.sleep(self.rng.uniform(0.5, 4.0))
+            time.sleep(self.rng.uniform(0.5, kill_within))
             child.kill()
         self._record_death(fault, child.wait(600))
+
+    def _maintain(self) -> None:
+        """A ``maintain`` child that may die inside its pass; a pass in this process finishes it."""
+        self._child_that_may_die(["maintain"], MAINTENANCE_FAULTS, kill_within=4.0)
         self._pipeline_call(lambda pipeline: pipeline.maintain())
         self.workload.kinds["maintain"] += 1
 
