@@ -180,6 +180,27 @@ def write_config(config: PipelineConfig, path: Path) -> Path:
     return path
 
 
+def mode_config(
+    pg: EmbeddedPostgres, root: Path, tables: list[str], prefix: str, mode: str, **sections: Any
+) -> tuple[PipelineConfig, Path]:
+    """The pipeline of one mode of a benchmark, apart from the other modes on the same cluster: its
+    own state database, slot, publication, staging and Iceberg namespace (``prefix_mode``), written as
+    ``root/mode.yaml``. ``sections`` as :func:`bench_config` (``iceberg`` is laid over the namespace)."""
+    pg.create_database(f"state_{mode}")
+    name = f"{prefix}_{mode}"
+    config = bench_config(
+        pg,
+        root,
+        tables,
+        replication={"slot": name, "publication": name},
+        state={"host": "127.0.0.1", "port": pg.port, "dbname": f"state_{mode}", "user": "postgres"},
+        staging={"url": f"file://{root}/staging_{mode}"},
+        iceberg={"namespace": name, **sections.pop("iceberg", {})},
+        **sections,
+    )
+    return config, write_config(config, root / f"{mode}.yaml")
+
+
 @dataclass(frozen=True)
 class ChildRun:
     """A child process run to completion: exit code, wall seconds, and its own peak resident set."""

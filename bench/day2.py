@@ -32,13 +32,12 @@ from statistics import mean
 from typing import Any
 
 import psycopg
-import yaml
 
 from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.iceberg.catalog import open_catalog, table_identifier
 from pg2iceberg_dagster.maintenance import summary_health
 
-from .common import SOURCE_DB, Report, argument_parser, bench_cluster, bench_config, fill_table, work_dir
+from .common import SOURCE_DB, Report, argument_parser, bench_cluster, fill_table, mode_config, work_dir
 from .freshness import KEY, TABLE, TABLE_KEY, Writer, child_process, wait_for
 
 TARGET = 1.2
@@ -49,18 +48,13 @@ MERGE_LINE = re.compile(r"^(\S+ \S+) INFO pg2iceberg_dagster: merged \S+: \d+ ch
 
 def write_config(pg: Any, root: Path, mode: str, args: Any) -> tuple[Any, Path]:
     """The pipeline config of one mode (own state database, slot, staging and namespace)."""
-    pg.create_database(f"state_{mode}")
-    config = bench_config(
+    return mode_config(
         pg,
         root,
         [TABLE_KEY],
-        replication={"slot": f"day2_{mode}", "publication": f"day2_{mode}"},
-        state={"host": "127.0.0.1", "port": pg.port, "dbname": f"state_{mode}", "user": "postgres"},
-        staging={"url": f"file://{root}/staging_{mode}"},
-        iceberg={
-            "namespace": f"day2_{mode}",
-            "table_properties": {f"write.{kind}.mode": args.write_mode for kind in ("merge", "update", "delete")},
-        },
+        "day2",
+        mode,
+        iceberg={"table_properties": {f"write.{kind}.mode": args.write_mode for kind in ("merge", "update", "delete")}},
         maintenance={
             "enabled": mode == "on",
             "interval_minutes": args.interval_minutes,
@@ -68,9 +62,6 @@ def write_config(pg: Any, root: Path, mode: str, args: Any) -> tuple[Any, Path]:
             "orphan_min_age_hours": args.retention_minutes / 60,
         },
     )
-    path = root / f"{mode}.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-    return config, path
 
 
 def sample(catalog: Any, identifier: tuple[str, str]) -> dict[str, float]:

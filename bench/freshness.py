@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import yaml
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.expressions import GreaterThan
@@ -49,7 +48,7 @@ from pg2iceberg_dagster.iceberg.catalog import open_catalog
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
-from .common import SOURCE_DB, Report, argument_parser, bench_cluster, bench_config, fill_table, percentile, work_dir
+from .common import SOURCE_DB, Report, argument_parser, bench_cluster, fill_table, mode_config, percentile, work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "accounts"
@@ -144,24 +143,11 @@ class Measurement:
 def write_config(pg: EmbeddedPostgres, root: Path, name: str, args: Any) -> tuple[PipelineConfig, Path]:
     """The pipeline config of one mode (own state database, slot and staging), also written as YAML.
     Defaults everywhere except what ``--flush-interval`` and ``--property`` set."""
-    pg.create_database(f"state_{name}")
-    iceberg: dict[str, Any] = {"namespace": f"fresh_{name}"}
-    if args.property:
-        iceberg["table_properties"] = {"format-version": "2", **dict(p.split("=", 1) for p in args.property)}
     sections: dict[str, Any] = {"flush": {"interval_seconds": args.flush_interval}} if args.flush_interval else {}
-    config = bench_config(
-        pg,
-        root,
-        [TABLE_KEY],
-        replication={"slot": f"fresh_{name}", "publication": f"fresh_{name}"},
-        state={"host": "127.0.0.1", "port": pg.port, "dbname": f"state_{name}", "user": "postgres"},
-        staging={"url": f"file://{root}/staging_{name}"},
-        iceberg=iceberg,
-        **sections,
-    )
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-    return config, path
+    if args.property:
+        properties = {"format-version": "2", **dict(p.split("=", 1) for p in args.property)}
+        sections["iceberg"] = {"table_properties": properties}
+    return mode_config(pg, root, [TABLE_KEY], "fresh", name, **sections)
 
 
 @contextlib.contextmanager
