@@ -2,17 +2,17 @@
 table is due (its interval passed, or its files call for compaction), or from the UI on a partition.
 Each pass reports an observation of the table's Iceberg asset whose numbers the UI plots."""
 
-from dagster import AssetObservation, MetadataValue, OpExecutionContext, job, op
+from dagster import AssetObservation, JobDefinition, MetadataValue, OpExecutionContext, op
 
 from assets.translator import Pg2IcebergTranslator
 from resources import Pg2IcebergResource, SparkResource
 
-from .resync import table_partitions
+from .per_table import per_table_job
 
 MAINTENANCE_JOB = "pg2iceberg_maintenance"
 
 
-def maintenance_job(translator: Pg2IcebergTranslator):  # type: ignore[no-untyped-def]  # dagster's JobDefinition
+def maintenance_job(translator: Pg2IcebergTranslator) -> JobDefinition:
     """The maintenance job: its partition names the table."""
     tables = {table.key: table for table in translator.config.tables}
 
@@ -43,14 +43,10 @@ def maintenance_job(translator: Pg2IcebergTranslator):  # type: ignore[no-untype
             )
         )
 
-    @job(
-        name=MAINTENANCE_JOB,
-        partitions_def=table_partitions(translator),
-        description="Maintain one table's Iceberg files (pick the table as the partition): compaction, "
+    return per_table_job(
+        translator,
+        MAINTENANCE_JOB,
+        "Maintain one table's Iceberg files (pick the table as the partition): compaction, "
         "snapshot expiry, orphan files, applied staged files. Merges of the table wait while it runs.",
-        tags={"dagster/max_runtime": 6 * 3600},
+        _maintain,
     )
-    def _job() -> None:
-        _maintain()
-
-    return _job

@@ -2,27 +2,17 @@
 partition, or let the resync sensor launch it when a merge found a change the WAL cannot follow.
 The copy reports a materialization of the table's live Iceberg asset (its rows were replaced)."""
 
-from dagster import (
-    AssetMaterialization,
-    MetadataValue,
-    OpExecutionContext,
-    StaticPartitionsDefinition,
-    job,
-    op,
-)
+from dagster import AssetMaterialization, JobDefinition, MetadataValue, OpExecutionContext, op
 
 from assets.translator import Pg2IcebergTranslator
 from resources import Pg2IcebergResource
 
+from .per_table import per_table_job
+
 RESYNC_JOB = "pg2iceberg_resync"
 
 
-def table_partitions(translator: Pg2IcebergTranslator) -> StaticPartitionsDefinition:
-    """One partition per configured table (its ``schema.table`` key)."""
-    return StaticPartitionsDefinition([table.key for table in translator.config.tables])
-
-
-def resync_job(translator: Pg2IcebergTranslator):  # type: ignore[no-untyped-def]  # dagster's JobDefinition
+def resync_job(translator: Pg2IcebergTranslator) -> JobDefinition:
     """The resync job: its partition names the table."""
     tables = {table.key: table for table in translator.config.tables}
 
@@ -51,14 +41,10 @@ def resync_job(translator: Pg2IcebergTranslator):  # type: ignore[no-untyped-def
             )
         )
 
-    @job(
-        name=RESYNC_JOB,
-        partitions_def=table_partitions(translator),
-        description="Resync one table online (pick the table as the partition): the others keep streaming "
+    return per_table_job(
+        translator,
+        RESYNC_JOB,
+        "Resync one table online (pick the table as the partition): the others keep streaming "
         "and merging, readers see the old table until one Iceberg commit switches it.",
-        tags={"dagster/max_runtime": 6 * 3600},
+        _resync,
     )
-    def _job() -> None:
-        _resync()
-
-    return _job
