@@ -5,10 +5,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from dagster import (
+    AssetCheckKey,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetKey,
     AssetsDefinition,
     AssetSpec,
     BackfillPolicy,
@@ -19,14 +21,15 @@ from dagster import (
     TableColumn,
     TableSchema,
     asset,
+    multi_asset,
 )
 
 from pg2iceberg_dagster.config import MaintenanceConfig, TableConfig
 from pg2iceberg_dagster.maintenance import TableHealth, compaction_due
-from pg2iceberg_dagster.pipeline import IcebergTableSummary, MergeResult, TableCheckReport
+from pg2iceberg_dagster.pipeline import IcebergTableSummary, MergeResult, Pipeline, TableCheckReport
 from resources import Pg2IcebergResource, SparkResource
 
-from .automation import merge_condition, snapshot_condition
+from .automation import TablesToMerge, merge_condition, snapshot_condition
 from .translator import Pg2IcebergTranslator
 
 PK_UNIQUE = "primary_key_unique"
@@ -191,57 +194,98 @@ def files_check_result(health: TableHealth, settings: MaintenanceConfig, key: An
     )
 
 
-def iceberg_asset(
-    translator: Pg2IcebergTranslator, table: TableConfig, pg2iceberg: Pg2IcebergResource
-) -> AssetsDefinition:
-    key = translator.iceberg_key(table)
-
-    @asset(
-        name=key.path[-1],
-        key_prefix=key.path[:-1],
+def _live_spec(translator: Pg2IcebergTranslator, table: TableConfig, ready: TablesToMerge) -> AssetSpec:
+    return AssetSpec(
+        key=translator.iceberg_key(table),
         deps=[translator.snapshot_key(table), translator.staged_log_key(table)],
         group_name=translator.group_name(table),
         kinds={"iceberg", "spark"},
         description=translator.description(table, "iceberg"),
-        automation_condition=merge_condition(pg2iceberg, table.key),
-        check_specs=[
-            AssetCheckSpec(PK_UNIQUE, asset=key, blocking=True, description="one row per primary key"),
-            AssetCheckSpec(MATCHES_SOURCE, asset=key, description="rows equal the source when there is no lag"),
-            AssetCheckSpec(SCHEMA_MATCHES, asset=key, description="columns and types match the source"),
-            AssetCheckSpec(
-                FILES_COMPACT, asset=key, description="few small files and delete files (maintenance keeps it so)"
-            ),
-        ],
+        automation_condition=merge_condition(ready, table.key),
+        # A run merges the tables it selected; one that fails does not hold back the others.
+        skippable=True,
+    )
+
+
+def _live_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
+    return [
+        AssetCheckSpec(PK_UNIQUE, asset=key, blocking=True, description="one row per primary key"),
+        AssetCheckSpec(MATCHES_SOURCE, asset=key, description="rows equal the source when there is no lag"),
+        AssetCheckSpec(SCHEMA_MATCHES, asset=key, description="columns and types match the source"),
+        AssetCheckSpec(FILES_COMPACT, asset=key, description="few small files and delete files (maintenance compacts)"),
+    ]
+
+
+def _merge_one(
+    translator: Pg2IcebergTranslator, pipeline: Pipeline, table: TableConfig, log: Any
+) -> Iterator[MaterializeResult | AssetCheckResult]:
+    """Merge one table and report it: its materialization, then its checks."""
+    key = translator.iceberg_key(table)
+    # A second round applies what was staged during the first merge (the first in a new JVM is cold).
+    result = pipeline.merge_table(table.key, rounds=2)
+    if result.waiting_for_snapshot:
+        raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
+    log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag.changes)
+    if result.resync_reason:
+        log.warning("%s waits for an online resync: %s", table.key, result.resync_reason)
+    summary = pipeline.iceberg_summary(table.key)
+    health = pipeline.file_health(table.key)
+    metadata = _merge_metadata(translator, table, result, summary)
+    # Plotted per merge: how files and snapshots grow between maintenance passes.
+    metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
+    yield MaterializeResult(asset_key=key, metadata=metadata)
+    yield from table_check_results(pipeline.check_table(table.key), key)
+    yield files_check_result(health, pipeline.config.maintenance, key)
+
+
+def live_tables_asset(translator: Pg2IcebergTranslator, ready: TablesToMerge) -> AssetsDefinition:
+    """Every live Iceberg table in one multi-asset that can subset: the lagging tables requested in one
+    automation tick merge in one run, one after the other on one Spark session (one JVM start for
+    them all, not one per table)."""
+    tables = translator.config.tables
+    keys = {translator.iceberg_key(table): table for table in tables}
+
+    @multi_asset(
+        name="pg2iceberg_merge",
+        specs=[_live_spec(translator, table, ready) for table in tables],
+        check_specs=[spec for key in keys for spec in _live_check_specs(key)],
+        can_subset=True,
         pool="pg2iceberg_merge",
     )
     def _merge(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource, spark: SparkResource) -> Iterator[Any]:
+        selected = [table for key, table in keys.items() if key in context.selected_asset_keys]
+        checks = context.selected_asset_check_keys
+        failed: list[str] = []
         with pg2iceberg.pipeline(spark_factory=spark.get_session) as pipeline:
-            # A second round applies what was staged during the first, cold merge (this run's new JVM).
-            result = pipeline.merge_table(table.key, rounds=2)
-            if result.waiting_for_snapshot:
-                raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
-            context.log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag.changes)
-            if result.resync_reason:
-                context.log.warning("%s waits for an online resync: %s", table.key, result.resync_reason)
-            summary = pipeline.iceberg_summary(table.key)
-            health = pipeline.file_health(table.key)
-            metadata = _merge_metadata(translator, table, result, summary)
-            # Plotted per merge: how files and snapshots grow between maintenance passes.
-            metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
-            yield MaterializeResult(metadata=metadata)
-            yield from table_check_results(pipeline.check_table(table.key), key)
-            yield files_check_result(health, pipeline.config.maintenance, key)
+            for table in selected:
+                try:
+                    for event in _merge_one(translator, pipeline, table, context.log):
+                        if isinstance(event, MaterializeResult) or _check_key(event) in checks:
+                            yield event
+                except Exception as exc:  # reported below; the other tables still merge
+                    context.log.exception("merge of %s failed", table.key)
+                    failed.append(f"{table.key}: {exc}")
+        if failed:
+            raise Failure(f"{len(failed)} of {len(selected)} merges failed: " + "; ".join(failed))
 
     return _merge
+
+
+def _check_key(result: AssetCheckResult) -> AssetCheckKey:
+    assert result.asset_key is not None and result.check_name is not None
+    return AssetCheckKey(result.asset_key, result.check_name)
 
 
 def table_definitions(
     translator: Pg2IcebergTranslator, pg2iceberg: Pg2IcebergResource
 ) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
-    """External specs and assets for every configured table."""
+    """External specs and assets for every configured table: per table its source, staged log and
+    snapshot; the live tables together in one multi-asset."""
     specs: list[AssetSpec] = []
     assets: list[AssetsDefinition] = []
     for table in translator.config.tables:
         specs += [source_spec(translator, table), staged_log_spec(translator, table)]
-        assets += [snapshot_asset(translator, table), iceberg_asset(translator, table, pg2iceberg)]
+        assets.append(snapshot_asset(translator, table))
+    if translator.config.tables:
+        assets.append(live_tables_asset(translator, TablesToMerge(pg2iceberg)))
     return specs, assets

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,10 +257,15 @@ class Pipeline:
     def maintainer(self) -> Maintainer:
         return Maintainer(self.config, self.store, self.catalog, self.spark)
 
-    def maintenance_due(self) -> dict[str, str]:
-        """Tables due for a maintenance pass now, with why (see maintenance.Maintainer.due)."""
+    def maintenance_due(self, cursors_seen: Mapping[str, int] | None = None) -> tuple[dict[str, str], dict[str, int]]:
+        """Tables due for a maintenance pass now, with why (see maintenance.Maintainer.due), and every
+        table's mat_cursor now. Only a merge adds files, so with ``cursors_seen`` (the mat_cursors
+        returned last time) only the tables merged since have their Iceberg metadata read: a check
+        over hundreds of quiet tables costs two queries."""
         self.store.migrate()  # before the first snapshot there is nothing to maintain, and no error either
-        return self.maintainer().due()
+        cursors = {key: lag.mat_cursor for key, (lag, _age) in self.store.lags(self.config.materialize.group).items()}
+        merged = None if cursors_seen is None else [key for key, at in cursors.items() if cursors_seen.get(key) != at]
+        return self.maintainer().due(merged), cursors
 
     def maintain(
         self, table_keys: list[str] | None = None, due_only: bool = False, reason: str = "requested"
@@ -295,11 +301,15 @@ class Pipeline:
         self.store.migrate()
         return self.store.lag(self.config.materialize.group, table_key)
 
-    def merge_pending(self, table_key: str) -> bool:
-        """The table has staged changes to merge and its snapshot is complete."""
-        lag = self.lag(table_key)
-        state = self.store.table_state(table_key)
-        return state is not None and state.mergeable and lag.changes > 0
+    def tables_to_merge(self) -> set[str]:
+        """The tables with staged changes to merge whose snapshot is complete (and no resync is
+        replacing them): two queries, however many tables are mirrored."""
+        states = self.store.table_states()
+        return {
+            key
+            for key, (lag, _age) in self.store.lags(self.config.materialize.group).items()
+            if lag.changes > 0 and key in states and states[key].mergeable
+        }
 
     def flush_tick(self, max_seconds: float) -> FlushTick | None:
         """Stream for at most ``max_seconds``; None before the snapshot has created the slot."""
@@ -307,11 +317,8 @@ class Pipeline:
         if self.store.flushed_lsn() is None:
             return None
         stats = self.stream(max_seconds=max_seconds)
-        staged = {
-            key: (count, self.store.lag(self.config.materialize.group, key))
-            for key, count in stats.rows_by_table.items()
-            if count
-        }
+        lags = self.store.lags(self.config.materialize.group)  # one query for every table staged
+        staged = {key: (count, lags[key][0]) for key, count in stats.rows_by_table.items() if count}
         return FlushTick(stats.flushed_lsn, staged)
 
     def iceberg_summary(self, table_key: str) -> IcebergTableSummary:

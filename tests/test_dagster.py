@@ -47,6 +47,11 @@ def _assets_def(defs: Definitions, key: AssetKey) -> Any:
     return defs.resolve_assets_def(key)
 
 
+def _merge(defs: Definitions, instance: DagsterInstance, *keys: AssetKey, **kwargs: Any) -> Any:
+    """Materialize the live tables ``keys`` (a subset of the one multi-asset of live tables)."""
+    return materialize([defs.resolve_assets_def(keys[0])], selection=list(keys), instance=instance, **kwargs)
+
+
 def _resources(config_path: str) -> dict[str, Any]:
     pg2iceberg = Pg2IcebergResource(config_path=config_path)
     return {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
@@ -100,7 +105,7 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
     ns = f"{source.name}_public"
     orders_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "orders_snapshot"]))
     customers_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
-    orders_live = _assets_def(defs, AssetKey(["iceberg", ns, "orders"]))
+    orders_live = AssetKey(["iceberg", ns, "orders"])
 
     with instance_for_test() as instance:
         # The planner sensor registers the CTID chunk partitions.
@@ -137,17 +142,17 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
         assert evaluation.get_num_requested(orders_snapshot.key) == 0
 
         # The merge runs on Spark and its checks pass.
-        merged = materialize([orders_live], instance=instance)
+        merged = _merge(defs, instance, orders_live)
         assert merged.success
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
         after = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert after.get_num_requested(orders_live.key) == 0, "no lag left: no merge"
+        assert after.get_num_requested(orders_live) == 0, "no lag left: no merge"
 
         # A duplicated key fails the blocking check.
         table = source.pipeline(source.config(["public.orders"])).catalog.load_table(f"{ns}.orders")
         table.append(pa.Table.from_pylist([{"id": 1, "v": "dup"}], schema=table.schema().as_arrow()))
-        failed = materialize([orders_live], instance=instance, raise_on_error=False)
+        failed = _merge(defs, instance, orders_live, raise_on_error=False)
         assert not failed.success
         checks = {e.check_name: e for e in failed.get_asset_check_evaluations()}
         assert not checks[PK_UNIQUE].passed and checks[PK_UNIQUE].metadata["duplicate_keys"].value == 1
@@ -182,6 +187,40 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
     pipeline.stream(until_caught_up=True)
     pipeline.materialize()
     assert_mirrored(pipeline)
+
+
+def test_lagging_tables_merge_in_one_run_and_one_failure_holds_back_none(source: SourceDb, tmp_path: Path) -> None:
+    """One automation tick requests every lagging table, and one run merges them (one Spark session for
+    them all); in a run, a table that cannot merge fails the run but the others are merged and reported."""
+    names = ("orders", "customers", "later")
+    for name in names:
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, 'v' || g FROM generate_series(1, 300) g")
+    ns = f"{source.name}_public"
+    live = {name: AssetKey(["iceberg", ns, name]) for name in names}
+    config_path = _write_config(source, tmp_path, [f"public.{name}" for name in names])
+    defs = build_definitions(config_path)
+    # orders and customers are snapshotted; `later` is configured but its snapshot is not taken.
+    mirrored = source.pipeline(source.config(["public.orders", "public.customers"]))
+    mirrored.snapshot()
+    source.execute("UPDATE public.orders SET v = 'changed' WHERE id <= 5; DELETE FROM public.customers WHERE id = 9")
+    mirrored.stream(until_caught_up=True)
+    with instance_for_test() as instance:
+        # Requested in the same tick, unpartitioned assets go into one run (test_dagster_dev sees it).
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
+        assert [evaluation.get_num_requested(live[name]) for name in names] == [1, 1, 0]
+        merged = _merge(defs, instance, live["orders"], live["customers"])
+        assert merged.success
+        assert {e.asset_key for e in merged.get_asset_materialization_events()} == {live["orders"], live["customers"]}
+        assert all(e.passed for e in merged.get_asset_check_evaluations())
+        assert evaluate_automation_conditions(defs=defs, instance=instance).get_num_requested(live["orders"]) == 0
+
+        source.execute("INSERT INTO public.orders VALUES (1000, 'new')")
+        mirrored.stream(until_caught_up=True)
+        partly = _merge(defs, instance, live["later"], live["orders"], raise_on_error=False)
+        assert not partly.success
+        assert {e.asset_key for e in partly.get_asset_materialization_events()} == {live["orders"]}
+    assert_mirrored(mirrored)
 
 
 def test_live_table_reported_after_its_chunks_show_materialized(source: SourceDb, tmp_path: Path) -> None:
@@ -315,8 +354,7 @@ def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload
         assert {m.metadata["snapshot_epoch"].value for m in materializations} == {1}
         source.execute("UPDATE public.customers SET v = 'after' WHERE id = 1")
         _tick(defs, "pg2iceberg_flusher", instance, config_path)
-        live = [_assets_def(defs, AssetKey(["iceberg", ns, name])) for name in ("orders", "customers")]
-        merged = materialize(live, instance=instance)
+        merged = _merge(defs, instance, *[AssetKey(["iceberg", ns, name]) for name in ("orders", "customers")])
         assert merged.success
         assert all(e.passed for e in merged.get_asset_check_evaluations())
     assert_mirrored(source.pipeline(source.config(["public.orders", "public.customers"])))

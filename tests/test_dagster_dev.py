@@ -1,6 +1,6 @@
 """End to end under `dagster dev`: nobody clicks. The planner sensor plans chunks, automation takes the
 snapshot and merges, the flusher sensor stages WAL; a source write is observed landing in Iceberg
-through Dagster's own instance API."""
+through Dagster's own instance API, both tables it touched merged by one run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -22,13 +23,15 @@ from .conftest import SourceDb, assert_mirrored
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_SECONDS = 300
+TABLES = ("orders", "customers")
 
 
 @pytest.fixture
 def dagster_dev(source: SourceDb, tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
-    source.execute("INSERT INTO public.orders SELECT g, 'v' || g FROM generate_series(1, 500) g")
-    config = source.config(["public.orders"], flush={"interval_seconds": 0.5})
+    for table in TABLES:
+        source.execute(f"CREATE TABLE public.{table} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{table} SELECT g, 'v' || g FROM generate_series(1, 500) g")
+    config = source.config([f"public.{table}" for table in TABLES], flush={"interval_seconds": 0.5})
     config_path = tmp_path / "pg2iceberg.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     home = tmp_path / "dagster_home"
@@ -71,26 +74,32 @@ def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
 ) -> None:
     home, name = dagster_dev
     monkeypatch.setenv("DAGSTER_HOME", str(home))  # for DagsterInstance.get(); restored after the test
-    live = AssetKey(["iceberg", f"{name}_public", "orders"])
-    snapshot = AssetKey(["iceberg", f"{name}_public", "orders_snapshot"])
+    live = [AssetKey(["iceberg", f"{name}_public", table]) for table in TABLES]
+    snapshots = [AssetKey(["iceberg", f"{name}_public", f"{table}_snapshot"]) for table in TABLES]
     log = tmp_path / "dagster_dev.log"
     with DagsterInstance.get() as instance:
-        _wait(lambda: instance.get_latest_materialization_event(snapshot) is not None, "the snapshot", log)
+        _wait(lambda: all(instance.get_latest_materialization_event(s) for s in snapshots), "the snapshots", log)
         written_at = time.time()
-        source.execute("INSERT INTO public.orders VALUES (100000, 'written while dagster runs')")
-        source.execute("UPDATE public.orders SET v = 'updated' WHERE id = 1")
+        # One transaction over both tables: both lag from the same flush, so one tick requests both.
+        source.execute(
+            "INSERT INTO public.orders VALUES (100000, 'written while dagster runs');"
+            "UPDATE public.orders SET v = 'updated' WHERE id = 1; DELETE FROM public.customers WHERE id = 2"
+        )
 
-        def merged() -> bool:
-            event = instance.get_latest_materialization_event(live)
-            return (
+        def merged(key: AssetKey) -> Any:
+            event = instance.get_latest_materialization_event(key)
+            if (
                 event is not None
                 and event.timestamp > written_at
                 and event.asset_materialization.metadata["lag"].value == 0
-                and event.asset_materialization.metadata["mat_cursor"].value >= 2
-            )
+                and event.asset_materialization.metadata["mat_cursor"].value >= 1
+            ):
+                return event
+            return None
 
-        _wait(merged, "an automated merge of the write", log)
-    pipeline = source.pipeline(source.config(["public.orders"]))
+        _wait(lambda: all(merged(key) for key in live), "an automated merge of the write", log)
+        assert len({merged(key).run_id for key in live}) == 1, "both lagging tables merged by one run"
+    pipeline = source.pipeline(source.config([f"public.{table}" for table in TABLES]))
     rows = {r["id"]: r["v"] for r in pipeline.catalog.load_table(f"{name}_public.orders").scan().to_arrow().to_pylist()}
     assert rows[100000] == "written while dagster runs" and rows[1] == "updated"
     assert_mirrored(pipeline)

@@ -212,7 +212,7 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
     """The merge's check warns once small files pile up; the maintenance sensor requests the table's
     partition of the maintenance job; its run compacts the table and reports an observation with the
     numbers Iceberg has; the next merge's check passes and the mirror equals the source."""
-    from dagster import AssetKey, SensorResult, build_sensor_context, instance_for_test, materialize
+    from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, instance_for_test, materialize
 
     from assets.tables import FILES_COMPACT
     from definitions import build_definitions
@@ -256,6 +256,17 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
         merged = materialize([live], instance=instance)
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[FILES_COMPACT].passed
+
+        # The sensor's cursor: the compacted table is looked at again and is not due; merges since
+        # the last tick make it due again.
+        cursor = context.cursor
+        with build_sensor_context(instance=instance, resources=resources, cursor=cursor) as context:
+            assert isinstance(defs.resolve_sensor_def("pg2iceberg_maintenance")(context), SkipReason)
+            cursor = context.cursor
+        _churn(source, pipeline, 3)
+        with build_sensor_context(instance=instance, resources=resources, cursor=cursor) as context:
+            ticked = defs.resolve_sensor_def("pg2iceberg_maintenance")(context)
+        assert isinstance(ticked, SensorResult) and [r.partition_key for r in ticked.run_requests] == ["public.items"]
     assert_mirrored(pipeline)
 
 
