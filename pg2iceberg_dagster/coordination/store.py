@@ -365,43 +365,54 @@ class CoordinationStore:
     # staged log ----------------------------------------------------------------------------------
 
     def register_flush(self, files: Sequence[StagedFile], flushed_lsn: int) -> list[LogEntry]:
-        """Atomically: claim offsets in ``log_seq``, add ``log_index`` rows, move ``flushed_lsn``."""
+        """Atomically: claim offsets in ``log_seq``, add ``log_index`` rows, move ``flushed_lsn``.
+
+        Each statement runs once for all files in one round trip (psycopg's pipelined ``executemany``):
+        a flush over hundreds of tables costs the same few round trips as one over a single table."""
         entries: list[LogEntry] = []
-        with self.conn.transaction():
-            for staged in files:
-                row = self.conn.execute(
+        with self.conn.transaction(), self.conn.cursor() as cursor:
+            if files:
+                cursor.executemany(
                     "INSERT INTO _pg2iceberg.log_seq AS s (table_name, next_offset) VALUES (%s, %s) "
                     "ON CONFLICT (table_name) DO UPDATE SET next_offset = s.next_offset + EXCLUDED.next_offset "
                     "RETURNING next_offset",
-                    (staged.table_name, staged.row_count),
-                ).fetchone()
-                assert row is not None
-                end = int(row[0])
-                entry = LogEntry(
-                    staged.table_name,
-                    end - staged.row_count,
-                    end,
-                    staged.path,
-                    staged.first_lsn,
-                    staged.flushable_lsn,
-                    staged.row_count,
-                    staged.byte_size,
+                    [(staged.table_name, staged.row_count) for staged in files],
+                    returning=True,
                 )
-                self.conn.execute(
+                for staged in files:  # one result set per file, in order
+                    row = cursor.fetchone()
+                    assert row is not None
+                    end = int(row[0])
+                    entries.append(
+                        LogEntry(
+                            staged.table_name,
+                            end - staged.row_count,
+                            end,
+                            staged.path,
+                            staged.first_lsn,
+                            staged.flushable_lsn,
+                            staged.row_count,
+                            staged.byte_size,
+                        )
+                    )
+                    cursor.nextset()
+                cursor.executemany(
                     "INSERT INTO _pg2iceberg.log_index (table_name, start_offset, end_offset, path, first_lsn, "
                     "flushable_lsn, row_count, byte_size) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                    (
-                        entry.table_name,
-                        entry.start_offset,
-                        entry.end_offset,
-                        entry.path,
-                        format_lsn(entry.first_lsn),
-                        format_lsn(entry.flushable_lsn),
-                        entry.row_count,
-                        entry.byte_size,
-                    ),
+                    [
+                        (
+                            entry.table_name,
+                            entry.start_offset,
+                            entry.end_offset,
+                            entry.path,
+                            format_lsn(entry.first_lsn),
+                            format_lsn(entry.flushable_lsn),
+                            entry.row_count,
+                            entry.byte_size,
+                        )
+                        for entry in entries
+                    ],
                 )
-                entries.append(entry)
             self.record_flushed_lsn(flushed_lsn)
         return entries
 
