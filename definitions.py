@@ -21,6 +21,7 @@ from sensors import (
     maintenance_sensor,
     merge_automation_sensor,
     resync_sensor,
+    snapshot_automation_sensor,
     snapshot_planner_sensor,
 )
 
@@ -46,6 +47,7 @@ def build_definitions(config_path: str | os.PathLike[str], pg2iceberg: Pg2Iceber
             flusher_sensor(translator),
             snapshot_planner_sensor(translator),
             merge_automation_sensor(translator),
+            snapshot_automation_sensor(translator),
             resync_sensor(resync),
             maintenance_sensor(translator, maintenance),
         ],

@@ -1,6 +1,6 @@
-"""Dagster sensors: the WAL flusher, CTID partition planning, merge automation, resyncs, maintenance."""
+"""Dagster sensors: the WAL flusher, CTID partition planning, merge and snapshot automation, resyncs, maintenance."""
 
-from .automation import merge_automation_sensor
+from .automation import merge_automation_sensor, snapshot_automation_sensor
 from .flusher import flusher_sensor
 from .maintenance import maintenance_sensor
 from .resync import resync_sensor
@@ -11,5 +11,6 @@ __all__ = [
     "maintenance_sensor",
     "merge_automation_sensor",
     "resync_sensor",
+    "snapshot_automation_sensor",
     "snapshot_planner_sensor",
 ]

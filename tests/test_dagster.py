@@ -91,8 +91,8 @@ def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None
             AssetKey(["pg", "public", f"{table}_source"])
         }
         assert "iceberg" in live.kinds and live.automation_condition is not None
-    automation = defs.resolve_sensor_def("pg2iceberg_merge_automation")
-    assert automation.default_status == DefaultSensorStatus.RUNNING
+    for name in ("pg2iceberg_merge_automation", "pg2iceberg_snapshot_automation"):
+        assert defs.resolve_sensor_def(name).default_status == DefaultSensorStatus.RUNNING
 
 
 def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_path: Path) -> None:

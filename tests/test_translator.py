@@ -18,7 +18,7 @@ from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.config import PipelineConfig, TableConfig, parse_config
 from pg2iceberg_dagster.errors import ConfigError
 from resources import Pg2IcebergResource, SparkResource
-from sensors import flusher_sensor, merge_automation_sensor, snapshot_planner_sensor
+from sensors import flusher_sensor, merge_automation_sensor, snapshot_automation_sensor, snapshot_planner_sensor
 
 # What Dagster accepts as a name (asset key parts become op and asset names, groups and partitions too).
 DAGSTER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -168,7 +168,12 @@ def definitions(t: Pg2IcebergTranslator, tmp_path: Path) -> Definitions:
     specs, assets = table_definitions(t, pg2iceberg)
     defs = Definitions(
         assets=[*specs, *assets],
-        sensors=[flusher_sensor(t), snapshot_planner_sensor(t), merge_automation_sensor(t)],
+        sensors=[
+            flusher_sensor(t),
+            snapshot_planner_sensor(t),
+            merge_automation_sensor(t),
+            snapshot_automation_sensor(t),
+        ],
         resources={"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)},
     )
     Definitions.validate_loadable(defs)
