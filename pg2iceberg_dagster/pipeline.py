@@ -238,6 +238,10 @@ class Pipeline:
         self.validate()
         return self.materializer().run_once(table_keys)
 
+    def merge_order(self, table_keys: list[str]) -> list[str]:
+        """``table_keys`` in the order a pass merges them: the oldest unmerged change first."""
+        return self.materializer().oldest_change_first(table_keys)
+
     def merge_table(self, table_key: str, rounds: int = 1) -> MergeResult:
         """Merge one table's staged log up to its head, ``rounds`` times (see Materializer)."""
         self.validate()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -217,4 +218,21 @@ def test_dates_and_timestamps_before_1582_merge_exactly(source: SourceDb) -> Non
         "INSERT INTO public.old VALUES (4, '0100-03-01', '1200-01-01 00:00:00', '0500-07-07 07:07:07+00', 'd')"
     )
     sync(pipeline)
+    assert_mirrored(pipeline)
+
+
+def test_a_pass_merges_the_table_whose_change_waited_longest_first(source: SourceDb) -> None:
+    """With many lagging tables, a pass (``run``'s loop, a Dagster run of several tables) takes the
+    oldest unmerged change first, whatever the config's order."""
+    for name in ("first", "second"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+    pipeline = source.pipeline(source.config(["public.first", "public.second"]))
+    pipeline.snapshot()
+    source.execute("INSERT INTO public.second VALUES (1, 'staged first')")
+    pipeline.stream(until_caught_up=True)
+    time.sleep(1.1)  # the log's ages are kept by the state database's clock
+    source.execute("INSERT INTO public.first VALUES (1, 'staged later')")
+    pipeline.stream(until_caught_up=True)
+    assert pipeline.merge_order(["public.first", "public.second"]) == ["public.second", "public.first"]
+    assert list(pipeline.materialize()) == ["public.second", "public.first"]
     assert_mirrored(pipeline)

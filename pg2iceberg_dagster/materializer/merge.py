@@ -502,8 +502,15 @@ class Materializer:
             clear_pending_fills(self.catalog.load_table(identifier), [fill.field_id for fill in fills])
 
     def run_once(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
-        """Bring every (or the given) table up to its current head."""
-        return {key: self.materialize_table(key) for key in (table_keys or [t.key for t in self.config.tables])}
+        """Bring every (or the given) table up to its current head, the oldest unmerged change first."""
+        keys = self.oldest_change_first(table_keys or [t.key for t in self.config.tables])
+        return {key: self.materialize_table(key) for key in keys}
+
+    def oldest_change_first(self, table_keys: list[str]) -> list[str]:
+        """``table_keys`` ordered by the age of their oldest unmerged staged change, oldest first (one
+        query): with many lagging tables, the change waiting longest is merged first."""
+        ages = {key: age for key, (_lag, age) in self.store.lags(self.group).items()}
+        return sorted(table_keys, key=lambda key: -ages.get(key, 0.0))
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
