@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pg2iceberg_dagster.config import FlushConfig
+from pg2iceberg_dagster.config import FlushConfig, StagingConfig
 from pg2iceberg_dagster.flusher.batch import RelationInfo, encode_segment, row_changes, truncate_marker, xlog_data
 from pg2iceberg_dagster.flusher.window import RelationLog, StagedWriter
 from pg2iceberg_dagster.source import pgoutput
@@ -18,6 +18,7 @@ from pg2iceberg_dagster.source.pgoutput import UNCHANGED, DecodeError
 from pg2iceberg_dagster.source.replication import ReplicationStream
 from pg2iceberg_dagster.staging import codec
 from pg2iceberg_dagster.staging.codec import TRUNCATE, Change, StagedRelation
+from pg2iceberg_dagster.staging.store import ObjectStore
 
 from .conftest import SourceDb
 from .test_pgoutput import tuple_data
@@ -141,16 +142,6 @@ def test_invalid_utf8_is_refused() -> None:
         encode_segment(INFO, [1], [message], [0], [1])
 
 
-class _Store:
-    """An object store keeping files in memory."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, bytes] = {}
-
-    def put(self, key: str, data: bytes) -> None:
-        self.files[key] = data
-
-
 def _insert(oid: int, key: int, text: str) -> bytes:
     return b"I" + struct.pack("!I", oid) + b"N" + tuple_data(str(key), text, None, None)
 
@@ -161,7 +152,7 @@ def test_writer_spills_splits_and_keeps_each_tables_order(tmp_path: object) -> N
     a discarded transaction leaves nothing."""
     wide = (*COLUMNS, SourceColumn("extra", TEXT, False))
     wide_info = RelationInfo(TABLE, StagedRelation("public.t", wide), {c.name: i for i, c in enumerate(wide)})
-    store = _Store()
+    store = ObjectStore(StagingConfig(url=f"file://{tmp_path}/staging"))
     relations = RelationLog()
     flush = FlushConfig(max_rows=7, txn_memory_bytes=1024, spill_dir=str(tmp_path))
     writer = StagedWriter(store, flush, relations)  # type: ignore[arg-type]
@@ -187,7 +178,7 @@ def test_writer_spills_splits_and_keeps_each_tables_order(tmp_path: object) -> N
     writer.commit(2_000, 2)
     files = writer.finish()
     assert all(f.row_count <= 7 for f in files)
-    staged = [(f, *codec.decode(store.files[f.path])) for f in files]
+    staged = [(f, *codec.decode(store.get(f.path))) for f in files]
     assert [(c.lsn, c.data["name"]) for _, _, changes in staged for c in changes] == expected
     assert [len(relation.columns) for _, relation, _ in staged] == [4, 4, 4, 4, 5, 5, 5, 5]
     assert {c.xid for _, _, changes in staged for c in changes} == {1, 2}

@@ -106,3 +106,25 @@ def test_dagster_staging_resource_supplies_s3_credentials(source: SourceDb, s3_e
     store.put("probe/file.bin", b"staged")
     assert store.get("probe/file.bin") == b"staged"
     assert store.list("probe/") == ["probe/file.bin"]
+
+
+def test_a_flush_over_many_tables_uploads_every_file_to_s3(source: SourceDb, s3_endpoint: str) -> None:
+    """One transaction over a dozen tables: the flush uploads their files at once (in parallel on
+    S3), and every registered file holds exactly its table's change."""
+    names = [f"t{i}" for i in range(12)]
+    for name in names:
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+    staging = {
+        "url": f"s3://{BUCKET}/{source.name}",
+        "s3": {"endpoint": s3_endpoint, "access_key_id_env": "TEST_S3_KEY", "secret_access_key_env": "TEST_S3_SECRET"},
+    }
+    pipeline = source.pipeline(source.config([f"public.{name}" for name in names], staging=staging))
+    pipeline.snapshot()
+    source.execute("; ".join(f"INSERT INTO public.{name} VALUES (1, '{name}')" for name in names))
+    stats = pipeline.stream(until_caught_up=True)
+    assert stats.rows_by_table == {f"public.{name}": 1 for name in names}
+    store = ObjectStore(pipeline.config.staging)
+    for name in names:
+        (entry,) = pipeline.store.log_entries(f"public.{name}", 0)
+        assert [(c.op, c.data) for c in decode(store.get(entry.path))[1]] == [("I", {"id": "1", "v": name})]
+        assert store.list(f"public.{name}/") == [entry.path]

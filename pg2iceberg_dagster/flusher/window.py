@@ -221,21 +221,24 @@ class StagedWriter:
         started = time.thread_time()
         batch = MessageBatch(messages, ts, xids)
         oids = batch.relation_oids()
+        files: list[tuple[StagedFile, bytes]] = []
         for oid in pc.unique(oids).to_pylist():
             rows = pc.indices_nonzero(pc.equal(oids, oid)).cast(pa.int64())
             for info, part in self._relations.pieces(oid, self._base, rows):
                 if info is None:
                     continue  # published but not configured
-                self._upload(batch, info, part)
+                files.append(self._encode(batch, info, part))
+        # All at once (in parallel on S3), before anything is registered: a flush writes a file per table.
+        self._store.put_many([(staged.path, data) for staged, data in files])
+        self.uploaded += [staged for staged, _data in files]
         self._uploaded_rows += len(messages)
         self._uploaded_bytes += sum(map(len, messages))
         self.stage_seconds += time.thread_time() - started
 
-    def _upload(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> None:
+    def _encode(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> tuple[StagedFile, bytes]:
+        """The staged file of ``rows`` of one table, and its bytes."""
         table = info.relation.table
         encoded = batch.encode(info, rows, self._complete)
         key = staged_file_key(table, encoded.last_lsn)
-        self._store.put(key, encoded.data)
-        self.uploaded.append(
-            StagedFile(table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn)
-        )
+        staged = StagedFile(table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn)
+        return staged, encoded.data

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from pyarrow import fs
 
 from ..config import StagingConfig
 from ..errors import StagingError
+
+# Uploads at once to S3 when a flush stages many files (each PUT mostly waits on the network).
+PARALLEL_PUTS = 8
 
 
 def staged_file_key(table: str, lsn: int) -> str:
@@ -54,6 +58,7 @@ class ObjectStore:
             self.filesystem = fs.S3FileSystem(**options)
             self.root = f"{parsed.netloc}{parsed.path}".rstrip("/")
         self.url = config.url
+        self._local = isinstance(self.filesystem, fs.LocalFileSystem)
         # Where the store is, for errors: the endpoint is what an operator checks first.
         self.location = (
             f"{config.url} (S3 endpoint {config.s3.endpoint or 'of region ' + config.s3.region})"
@@ -74,16 +79,28 @@ class ObjectStore:
         On failure (store unreachable, disk full, access denied) no partial file is left behind and a
         :class:`StagingError` names the store and the reason.
         """
-        directory = self._full(key).rsplit("/", 1)[0]
         try:
-            self.filesystem.create_dir(directory, recursive=True)
+            if self._local:  # S3 has no directories: creating one there costs requests of its own
+                self.filesystem.create_dir(self._full(key).rsplit("/", 1)[0], recursive=True)
             with self.filesystem.open_output_stream(self._full(key)) as stream:
                 stream.write(data)
         except OSError as exc:
-            if isinstance(self.filesystem, fs.LocalFileSystem):  # an S3 PUT never leaves half an object
+            if self._local:  # an S3 PUT never leaves half an object
                 with contextlib.suppress(OSError):
                     self.filesystem.delete_file(self._full(key))  # a truncated file would only waste space
             raise self._failed("write", key, exc) from exc
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """:meth:`put` each ``(key, data)``; on S3 up to :data:`PARALLEL_PUTS` at once, since a PUT
+        waits on the network (a flush over hundreds of tables uploads a file for each). Returns once
+        all are written; the first failure is raised after the others finished."""
+        if self._local or len(items) < 2:
+            for key, data in items:
+                self.put(key, data)
+            return
+        with ThreadPoolExecutor(min(PARALLEL_PUTS, len(items)), thread_name_prefix="staging-put") as pool:
+            for future in [pool.submit(self.put, key, data) for key, data in items]:
+                future.result()
 
     def get(self, key: str) -> bytes:
         """The bytes at ``key``; a :class:`StagingError` names the store when it cannot be read."""
