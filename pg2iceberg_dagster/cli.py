@@ -176,6 +176,17 @@ def cmd_hold_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spark_server(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    from .materializer.warm_spark import serve, stop_server
+
+    if args.stop:
+        pid = stop_server(pipeline.config)
+        print(f"stopped the warm Spark server {pid}" if pid else "no warm Spark server runs for this pipeline")
+        return 0
+    serve(pipeline.config, _stop_on_signals())
+    return 0
+
+
 def cmd_verify(pipeline: Pipeline, args: argparse.Namespace) -> int:
     if args.catch_up:
         pipeline.catch_up()
@@ -265,6 +276,10 @@ COMMANDS = {
         cmd_hold_snapshot,
         "create the slot and keep its exported snapshot open for chunk runs in other processes",
     ),
+    "spark-server": (
+        cmd_spark_server,
+        "run the warm Spark driver Dagster merge runs attach to (they start one themselves); --stop stops it",
+    ),
     "cleanup": (cmd_cleanup, "delete applied staged files, or reset a table or the whole pipeline"),
 }
 
@@ -310,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                 default=6 * 3600,
                 help="give up after this long (the snapshot holds back the source's xmin)",
             )
+        if name == "spark-server":
+            command.add_argument("--stop", action="store_true", help="stop the running one")
         if name == "resync":
             command.add_argument("--table", action="append", help="resync this table (repeatable)")
         if name == "maintain":

@@ -275,6 +275,10 @@ class SparkConfig(_Strict):
     jars: list[str] | None = None
     packages: list[str] = []
     conf: dict[str, str] = {}
+    # Dagster merge runs attach to one long-lived Spark driver on this machine (the first run starts
+    # it; it exits after ``warm_idle_seconds`` without a run) instead of each starting a JVM.
+    warm_server: bool = True
+    warm_idle_seconds: float = Field(900.0, gt=0)
 
 
 class SnapshotConfig(_Strict):

@@ -28,6 +28,7 @@ from .iceberg.catalog import open_catalog, table_identifier
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
+from .materializer.warm_spark import warm_session as warm_spark_session
 from .metrics import PipelineMetrics, serve_metrics_once
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
@@ -56,6 +57,7 @@ __all__ = [
     "TableStatus",
     "build_spark_session",
     "serve_metrics_once",
+    "warm_spark_session",
 ]
 
 log = logging.getLogger("pg2iceberg_dagster")

@@ -17,6 +17,7 @@ import yaml
 
 from .config import load_config
 from .embedded import EmbeddedPostgres
+from .materializer.warm_spark import stop_server as stop_warm_server
 from .pipeline import Pipeline
 from .verify import print_diffs
 
@@ -186,6 +187,7 @@ def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: 
     finally:
         stop_writes.set()
         writer.join()
+        stop_warm_server(load_config(config_path))  # the merge runs' Spark driver goes with Dagster
 
 
 def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: int = 50_000) -> int:

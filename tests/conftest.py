@@ -71,6 +71,19 @@ def workdir() -> Iterator[Path]:
         yield Path(directory)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_spark_servers(workdir: Path) -> Iterator[None]:
+    """Warm Spark servers that Dagster runs of the tests start (in their own processes) keep their
+    endpoint files in this run's directory, and are stopped by their pids at the end."""
+    from pg2iceberg_dagster.materializer.warm_spark import RUNTIME_DIR_ENV, stop_server_at
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(RUNTIME_DIR_ENV, str(workdir / "runtime"))
+        yield
+        for endpoint in (workdir / "runtime").glob("spark-*.json"):
+            stop_server_at(endpoint)
+
+
 @pytest.fixture(scope="session")
 def pg(workdir: Path) -> Iterator[EmbeddedPostgres]:
     cluster = EmbeddedPostgres(workdir / "pg", int(os.environ.get("PG2ICEBERG_TEST_PORT", free_port())))

@@ -17,6 +17,7 @@ import yaml
 from dagster import AssetKey, DagsterInstance
 
 from pg2iceberg_dagster.embedded import free_port
+from pg2iceberg_dagster.materializer.warm_spark import stop_server
 from pg2iceberg_dagster.quickstart import dagster_dev_command
 
 from .conftest import SourceDb, assert_mirrored
@@ -57,6 +58,7 @@ def dagster_dev(source: SourceDb, tmp_path: Path) -> Iterator[tuple[Path, str]]:
             os.killpg(process.pid, signal.SIGKILL)  # its own session: only dagster dev's processes
             process.wait()
         log.close()
+        stop_server(config)  # the merge runs' warm Spark driver (a detached process of its own)
 
 
 def _wait(predicate, what: str, log_hint: Path) -> None:  # type: ignore[no-untyped-def]

@@ -17,11 +17,8 @@ after ``max_seconds``, or when no snapshot process has run for ``snapshot.holder
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -31,6 +28,7 @@ import psycopg
 
 from ..config import PipelineConfig, PostgresConnection
 from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
+from ..detached import detached_error, spawn_with_config
 from ..source.catalog import published_keys_seen_by
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
@@ -160,25 +158,8 @@ def working_on_snapshot(config: PipelineConfig) -> Iterator[None]:
 
 
 def spawn_holder(config: PipelineConfig, max_seconds: float) -> subprocess.Popen[bytes]:
-    """Start :func:`hold_snapshot` in a detached process that outlives the caller (see holder_process).
-
-    ``config`` goes to it through a pipe, secrets included. Its stderr goes to an unnamed temporary
-    file (``process.stderr``), read if it exits early."""
-    errors = tempfile.TemporaryFile()  # noqa: SIM115 - handed to the child and kept on the Popen
-    process = subprocess.Popen(
-        [*HOLDER_COMMAND, str(max_seconds)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=errors,
-        start_new_session=True,
-        env=os.environ.copy(),
-    )
-    assert process.stdin is not None
-    with contextlib.suppress(BrokenPipeError):  # a child that died at once says why on stderr
-        process.stdin.write(pickle.dumps(config))
-    process.stdin.close()
-    process.stderr = errors  # type: ignore[assignment]
-    return process
+    """Start :func:`hold_snapshot` in a detached process that outlives the caller (see holder_process)."""
+    return spawn_with_config([*HOLDER_COMMAND, str(max_seconds)], config)
 
 
 class HolderThread(threading.Thread):
@@ -201,10 +182,7 @@ def holder_error(alive: HolderThread | subprocess.Popen[bytes]) -> str:
     """Why a holder that stopped without a snapshot stopped: its error, or its stderr."""
     if isinstance(alive, HolderThread):
         return str(alive.error or "")
-    if alive.stderr is None:
-        return ""
-    alive.stderr.seek(0)
-    return alive.stderr.read().decode(errors="replace").strip()
+    return detached_error(alive)
 
 
 def wait_for_advertised_snapshot(
