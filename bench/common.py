@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -174,6 +176,33 @@ def pgbench(pg: EmbeddedPostgres, *args: str) -> str:
     return result.stdout + result.stderr
 
 
+def page_ranges(table: str, pages: int, parts: int) -> list[tuple[str, int, int | None]]:
+    """``table``'s ``pages`` heap pages in ``parts`` CTID ranges of equal size, the last one open-ended
+    (as the snapshot's last chunk is: rows may land past the size read)."""
+    bounds: list[int | None] = [pages * index // parts for index in range(parts)]
+    return [(table, int(start or 0), stop) for start, stop in itertools.pairwise([*bounds, None])]
+
+
+def psql_copy(table: str, start: int, stop: int | None) -> str:
+    """``COPY`` of the CTID pages ``[start, stop)`` of ``table`` (to its end when ``stop`` is None) to STDOUT."""
+    where = f"ctid >= '({start},0)'::tid" + (f" AND ctid < '({stop},0)'::tid" if stop is not None else "")
+    return f"COPY (SELECT * FROM {table} WHERE {where}) TO STDOUT"
+
+
+def raw_copy(pg: EmbeddedPostgres, ranges: list[tuple[str, int, int | None]], workers: int) -> int:
+    """The snapshot's physical limit: ``workers`` psql processes at once, COPYing the CTID ``ranges``
+    (table, first page, end page or None) into /dev/null. Each process takes a share of the ranges,
+    dealt in turn, and runs them one after another on one connection; returns the number of ranges."""
+    commands = [[pg_tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", pg.conninfo(SOURCE_DB)] for _ in range(workers)]
+    for index, (table, start, stop) in enumerate(ranges):
+        commands[index % workers] += ["-c", psql_copy(table, start, stop)]
+    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands if len(command) > 6]
+    codes = [process.wait() for process in processes]
+    if any(codes):
+        raise RuntimeError(f"psql COPY failed with exit codes {codes}")
+    return len(ranges)
+
+
 def write_config(config: PipelineConfig, path: Path) -> Path:
     """Write ``config`` as the YAML file the CLI loads (for benchmarks that run the pipeline as a child)."""
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False))
@@ -227,6 +256,38 @@ def run_child(argv: list[str], log: Path | None = None) -> ChildRun:
         if log:
             output.close()  # type: ignore[union-attr]
     return ChildRun(child.returncode, seconds, usage.ru_maxrss / 1024)
+
+
+@contextlib.contextmanager
+def child_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run ``command`` in its own process group; stop it with SIGINT (then SIGKILL to its group) by pid."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, cwd=BENCH_DIR.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)  # its own session: only what it started
+                    process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # anything of its group still running (a run's JVM)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll ``predicate`` until true; fail if ``timeout`` passes or the child exits."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            raise RuntimeError(f"the child exited ({process.returncode}) while waiting for {what}; see {log}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {log}")
+        time.sleep(0.5)
 
 
 def machine() -> dict[str, Any]:

@@ -21,16 +21,13 @@ Dagster also staged -> merge run created -> run started -> merged, with the merg
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,7 +45,18 @@ from pg2iceberg_dagster.iceberg.catalog import open_catalog
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
-from .common import SOURCE_DB, Report, argument_parser, bench_cluster, fill_table, mode_config, percentile, work_dir
+from .common import (
+    SOURCE_DB,
+    Report,
+    argument_parser,
+    bench_cluster,
+    child_process,
+    fill_table,
+    mode_config,
+    percentile,
+    wait_for,
+    work_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "accounts"
@@ -148,38 +156,6 @@ def write_config(pg: EmbeddedPostgres, root: Path, name: str, args: Any) -> tupl
         properties = {"format-version": "2", **dict(p.split("=", 1) for p in args.property)}
         sections["iceberg"] = {"table_properties": properties}
     return mode_config(pg, root, [TABLE_KEY], "fresh", name, **sections)
-
-
-@contextlib.contextmanager
-def child_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Run ``command`` in its own process group; stop it with SIGINT (then SIGKILL to its group) by pid."""
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)  # its own session: only what it started
-                    process.wait()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)  # anything of its group still running (a run's JVM)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen, log: Path) -> None:
-    """Poll ``predicate`` until true; fail if ``timeout`` passes or the child exits."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if process.poll() is not None:
-            raise RuntimeError(f"the child exited ({process.returncode}) while waiting for {what}; see {log}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {log}")
-        time.sleep(0.5)
 
 
 def measure(
