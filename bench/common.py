@@ -18,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -149,6 +150,20 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
 
 
+def paced(rate: float, stop: threading.Event) -> Iterator[None]:
+    """Yield ``rate`` times a second until ``stop`` is set (a writer's loop: one transaction a turn)."""
+    interval = 1.0 / rate
+    next_at = time.monotonic()
+    while not stop.is_set():
+        yield
+        next_at += interval
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        elif delay < -1.0:
+            next_at = time.monotonic()  # fell behind: keep the rate, do not burst
+
+
 def machine_busy_seconds() -> tuple[float, float]:
     """(busy, total) CPU seconds of every core since boot, from /proc/stat."""
     with open("/proc/stat", encoding="ascii") as stat:
@@ -160,6 +175,36 @@ def machine_busy_seconds() -> tuple[float, float]:
 def peak_rss_of_children_mb() -> float:
     """Largest resident set of any waited-for child process so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a ``run``'s JVM is a child of its Python process)."""
+    found, index = [pid], 0
+    while index < len(found):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{found[index]}/task"):
+                with open(f"/proc/{found[index]}/task/{task}/children", encoding="ascii") as children:
+                    found += [int(child) for child in children.read().split()]
+        index += 1
+    return found
+
+
+def process_rss_mib(pid: int) -> float:
+    """Resident set of a live process now, in MiB (0 once it is gone)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a live process has used so far (0 once it is gone)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # The command name (field 2) may hold spaces: count the fields after its closing parenthesis.
+        fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return 0.0
 
 
 def pg_tool(name: str) -> str:
@@ -288,6 +333,13 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, process: 
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {log}")
         time.sleep(0.5)
+
+
+def checked(run: ChildRun, what: str, log: Path) -> ChildRun:
+    """``run``, or an error pointing at the child's output when it failed."""
+    if run.returncode != 0:
+        raise RuntimeError(f"{what} exited with {run.returncode}; its output is in {log}")
+    return run
 
 
 def machine() -> dict[str, Any]:

@@ -53,6 +53,7 @@ from .common import (
     child_process,
     fill_table,
     mode_config,
+    paced,
     percentile,
     wait_for,
     work_dir,
@@ -80,10 +81,8 @@ class Writer(threading.Thread):
         self.random = random.Random(7)
 
     def run(self) -> None:
-        interval = 1.0 / self.rate
-        next_at = time.monotonic()
         with psycopg.connect(self.pg.conninfo(SOURCE_DB), autocommit=True) as conn:
-            while not self.stop.is_set():
+            for _ in paced(self.rate, self.stop):
                 if len(self.commits) % 4 == 3:
                     conn.execute(
                         f"UPDATE {TABLE} SET abalance = abalance + 1 WHERE {KEY} = %s",
@@ -94,12 +93,6 @@ class Writer(threading.Thread):
                     conn.execute(f"INSERT INTO {TABLE} VALUES (%s, 1, 0, 'fresh')", (self.next_id,))
                     self.commits.append((self.next_id, time.time()))
                     self.next_id += 1
-                next_at += interval
-                delay = next_at - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                elif delay < -1.0:
-                    next_at = time.monotonic()  # fell behind: keep the rate, do not burst
 
 
 class Poller(threading.Thread):
