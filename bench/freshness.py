@@ -108,18 +108,20 @@ class Poller(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            # The table is loaded after this moment: a row it shows was visible by then.
-            observed = time.time()
+            started = time.time()
             try:
                 table = self.catalog.load_table(self.identifier)
             except NoSuchTableError:
                 self.stop.wait(POLL_SECONDS)
                 continue
+            # A row this snapshot shows was visible once the load returned; not necessarily when it
+            # started (the commit may have landed during the load): count from now, never early.
+            observed = time.time()
             ids = table.scan(row_filter=GreaterThan(KEY, self.last), selected_fields=(KEY,)).to_arrow()[KEY]
             for new_id in ids.to_pylist():
                 self.seen.setdefault(new_id, observed)
                 self.last = max(self.last, new_id)
-            self.stop.wait(max(0.0, POLL_SECONDS - (time.time() - observed)))
+            self.stop.wait(max(0.0, POLL_SECONDS - (time.time() - started)))
 
 
 @dataclass
