@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import yaml
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, find_pg_bin, free_port
+from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
 CATALOG_DB = "iceberg_catalog"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -340,6 +342,30 @@ def checked(run: ChildRun, what: str, log: Path) -> ChildRun:
     if run.returncode != 0:
         raise RuntimeError(f"{what} exited with {run.returncode}; its output is in {log}")
     return run
+
+
+@contextlib.contextmanager
+def dagster_dev(root: Path, config_path: Path) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    """``dagster dev`` on the pipeline at ``config_path`` as a child process, with the quickstart's
+    instance settings in its own ``DAGSTER_HOME`` (``root/dagster_home``); yields the process, its log
+    and the home (to read the instance's runs afterwards)."""
+    home = root / "dagster_home"
+    home.mkdir(exist_ok=True)
+    (home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(config_path)}
+    log = root / "dagster_dev.log"
+    with child_process(dagster_dev_command(free_port()), log, env) as process:
+        yield process, log, home
+
+
+@contextlib.contextmanager
+def dagster_runs_since(home: Path, since: float) -> Iterator[tuple[Any, list[Any]]]:
+    """The Dagster instance in ``home`` and the records of its runs created after ``since`` (epoch s)."""
+    from dagster import DagsterInstance, RunsFilter
+    from dagster._core.instance.ref import InstanceRef
+
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        yield instance, instance.get_run_records(RunsFilter(created_after=datetime.fromtimestamp(since, UTC)))
 
 
 def machine() -> dict[str, Any]:

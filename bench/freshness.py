@@ -22,14 +22,12 @@ Dagster also staged -> merge run created -> run started -> merged, with the merg
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +38,9 @@ from pyiceberg.expressions import GreaterThan
 
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.coordination.store import CoordinationStore
-from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
+from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.iceberg.catalog import open_catalog
 from pg2iceberg_dagster.pipeline import Pipeline
-from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
 from .common import (
     SOURCE_DB,
@@ -51,6 +48,8 @@ from .common import (
     argument_parser,
     bench_cluster,
     child_process,
+    dagster_dev,
+    dagster_runs_since,
     fill_table,
     mode_config,
     paced,
@@ -257,14 +256,8 @@ def measure_dagster(pg: EmbeddedPostgres, root: Path, args: Any) -> Measurement:
     config, path = write_config(pg, root, "dagster", args)
     with Pipeline(config) as pipeline:
         pipeline.snapshot()
-    home = root / "dagster_home"
-    home.mkdir(exist_ok=True)
-    (home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)  # the quickstart's instance settings
-    env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(path)}
-    command = dagster_dev_command(free_port())
-    log = root / "dagster_dev.log"
     started = time.time()
-    with child_process(command, log, env) as process:
+    with dagster_dev(root, path) as (process, log, home):
         result = measure(pg, config, "dagster", process, log, args.rows, args.rate, args.seconds, args.drain)
     dagster_breakdown(home, started, result)
     return result
@@ -272,12 +265,10 @@ def measure_dagster(pg: EmbeddedPostgres, root: Path, args: Any) -> Measurement:
 
 def dagster_breakdown(home: Path, since: float, result: Measurement) -> None:
     """Merge runs from the Dagster instance: when each was created, started and committed, and its phases."""
-    from dagster import DagsterEventType, DagsterInstance, RunsFilter
-    from dagster._core.instance.ref import InstanceRef
+    from dagster import DagsterEventType
 
     runs = []
-    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
-        records = instance.get_run_records(RunsFilter(created_after=datetime.fromtimestamp(since, UTC)))
+    with dagster_runs_since(home, since) as (instance, records):
         for record in records:
             selection = record.dagster_run.asset_selection or set()
             if not any(key.path[-1] == TABLE for key in selection):
