@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ import yaml
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, find_pg_bin, free_port
+from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
 CATALOG_DB = "iceberg_catalog"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -147,6 +152,20 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
 
 
+def paced(rate: float, stop: threading.Event) -> Iterator[None]:
+    """Yield ``rate`` times a second until ``stop`` is set (a writer's loop: one transaction a turn)."""
+    interval = 1.0 / rate
+    next_at = time.monotonic()
+    while not stop.is_set():
+        yield
+        next_at += interval
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        elif delay < -1.0:
+            next_at = time.monotonic()  # fell behind: keep the rate, do not burst
+
+
 def machine_busy_seconds() -> tuple[float, float]:
     """(busy, total) CPU seconds of every core since boot, from /proc/stat."""
     with open("/proc/stat", encoding="ascii") as stat:
@@ -158,6 +177,36 @@ def machine_busy_seconds() -> tuple[float, float]:
 def peak_rss_of_children_mb() -> float:
     """Largest resident set of any waited-for child process so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a ``run``'s JVM is a child of its Python process)."""
+    found, index = [pid], 0
+    while index < len(found):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{found[index]}/task"):
+                with open(f"/proc/{found[index]}/task/{task}/children", encoding="ascii") as children:
+                    found += [int(child) for child in children.read().split()]
+        index += 1
+    return found
+
+
+def process_rss_mib(pid: int) -> float:
+    """Resident set of a live process now, in MiB (0 once it is gone)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a live process has used so far (0 once it is gone)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # The command name (field 2) may hold spaces: count the fields after its closing parenthesis.
+        fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return 0.0
 
 
 def pg_tool(name: str) -> str:
@@ -172,6 +221,33 @@ def pgbench(pg: EmbeddedPostgres, *args: str) -> str:
     if result.returncode != 0:
         raise RuntimeError(f"pgbench {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout + result.stderr
+
+
+def page_ranges(table: str, pages: int, parts: int) -> list[tuple[str, int, int | None]]:
+    """``table``'s ``pages`` heap pages in ``parts`` CTID ranges of equal size, the last one open-ended
+    (as the snapshot's last chunk is: rows may land past the size read)."""
+    bounds: list[int | None] = [pages * index // parts for index in range(parts)]
+    return [(table, int(start or 0), stop) for start, stop in itertools.pairwise([*bounds, None])]
+
+
+def psql_copy(table: str, start: int, stop: int | None) -> str:
+    """``COPY`` of the CTID pages ``[start, stop)`` of ``table`` (to its end when ``stop`` is None) to STDOUT."""
+    where = f"ctid >= '({start},0)'::tid" + (f" AND ctid < '({stop},0)'::tid" if stop is not None else "")
+    return f"COPY (SELECT * FROM {table} WHERE {where}) TO STDOUT"
+
+
+def raw_copy(pg: EmbeddedPostgres, ranges: list[tuple[str, int, int | None]], workers: int) -> int:
+    """The snapshot's physical limit: ``workers`` psql processes at once, COPYing the CTID ``ranges``
+    (table, first page, end page or None) into /dev/null. Each process takes a share of the ranges,
+    dealt in turn, and runs them one after another on one connection; returns the number of ranges."""
+    commands = [[pg_tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", pg.conninfo(SOURCE_DB)] for _ in range(workers)]
+    for index, (table, start, stop) in enumerate(ranges):
+        commands[index % workers] += ["-c", psql_copy(table, start, stop)]
+    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands if len(command) > 6]
+    codes = [process.wait() for process in processes]
+    if any(codes):
+        raise RuntimeError(f"psql COPY failed with exit codes {codes}")
+    return len(ranges)
 
 
 def write_config(config: PipelineConfig, path: Path) -> Path:
@@ -227,6 +303,69 @@ def run_child(argv: list[str], log: Path | None = None) -> ChildRun:
         if log:
             output.close()  # type: ignore[union-attr]
     return ChildRun(child.returncode, seconds, usage.ru_maxrss / 1024)
+
+
+@contextlib.contextmanager
+def child_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run ``command`` in its own process group; stop it with SIGINT (then SIGKILL to its group) by pid."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, cwd=BENCH_DIR.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)  # its own session: only what it started
+                    process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # anything of its group still running (a run's JVM)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll ``predicate`` until true; fail if ``timeout`` passes or the child exits."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            raise RuntimeError(f"the child exited ({process.returncode}) while waiting for {what}; see {log}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {log}")
+        time.sleep(0.5)
+
+
+def checked(run: ChildRun, what: str, log: Path) -> ChildRun:
+    """``run``, or an error pointing at the child's output when it failed."""
+    if run.returncode != 0:
+        raise RuntimeError(f"{what} exited with {run.returncode}; its output is in {log}")
+    return run
+
+
+@contextlib.contextmanager
+def dagster_dev(root: Path, config_path: Path) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    """``dagster dev`` on the pipeline at ``config_path`` as a child process, with the quickstart's
+    instance settings in its own ``DAGSTER_HOME`` (``root/dagster_home``); yields the process, its log
+    and the home (to read the instance's runs afterwards)."""
+    home = root / "dagster_home"
+    home.mkdir(exist_ok=True)
+    (home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(config_path)}
+    log = root / "dagster_dev.log"
+    with child_process(dagster_dev_command(free_port()), log, env) as process:
+        yield process, log, home
+
+
+@contextlib.contextmanager
+def dagster_runs_since(home: Path, since: float) -> Iterator[tuple[Any, list[Any]]]:
+    """The Dagster instance in ``home`` and the records of its runs created after ``since`` (epoch s)."""
+    from dagster import DagsterInstance, RunsFilter
+    from dagster._core.instance.ref import InstanceRef
+
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        yield instance, instance.get_run_records(RunsFilter(created_after=datetime.fromtimestamp(since, UTC)))
 
 
 def machine() -> dict[str, Any]:

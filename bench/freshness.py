@@ -21,18 +21,13 @@ Dagster also staged -> merge run created -> run started -> merged, with the merg
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import random
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +38,25 @@ from pyiceberg.expressions import GreaterThan
 
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.coordination.store import CoordinationStore
-from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
+from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.iceberg.catalog import open_catalog
 from pg2iceberg_dagster.pipeline import Pipeline
-from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
-from .common import SOURCE_DB, Report, argument_parser, bench_cluster, fill_table, mode_config, percentile, work_dir
+from .common import (
+    SOURCE_DB,
+    Report,
+    argument_parser,
+    bench_cluster,
+    child_process,
+    dagster_dev,
+    dagster_runs_since,
+    fill_table,
+    mode_config,
+    paced,
+    percentile,
+    wait_for,
+    work_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "accounts"
@@ -72,10 +80,8 @@ class Writer(threading.Thread):
         self.random = random.Random(7)
 
     def run(self) -> None:
-        interval = 1.0 / self.rate
-        next_at = time.monotonic()
         with psycopg.connect(self.pg.conninfo(SOURCE_DB), autocommit=True) as conn:
-            while not self.stop.is_set():
+            for _ in paced(self.rate, self.stop):
                 if len(self.commits) % 4 == 3:
                     conn.execute(
                         f"UPDATE {TABLE} SET abalance = abalance + 1 WHERE {KEY} = %s",
@@ -86,12 +92,6 @@ class Writer(threading.Thread):
                     conn.execute(f"INSERT INTO {TABLE} VALUES (%s, 1, 0, 'fresh')", (self.next_id,))
                     self.commits.append((self.next_id, time.time()))
                     self.next_id += 1
-                next_at += interval
-                delay = next_at - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                elif delay < -1.0:
-                    next_at = time.monotonic()  # fell behind: keep the rate, do not burst
 
 
 class Poller(threading.Thread):
@@ -107,18 +107,20 @@ class Poller(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            # The table is loaded after this moment: a row it shows was visible by then.
-            observed = time.time()
+            started = time.time()
             try:
                 table = self.catalog.load_table(self.identifier)
             except NoSuchTableError:
                 self.stop.wait(POLL_SECONDS)
                 continue
+            # A row this snapshot shows was visible once the load returned; not necessarily when it
+            # started (the commit may have landed during the load): count from now, never early.
+            observed = time.time()
             ids = table.scan(row_filter=GreaterThan(KEY, self.last), selected_fields=(KEY,)).to_arrow()[KEY]
             for new_id in ids.to_pylist():
                 self.seen.setdefault(new_id, observed)
                 self.last = max(self.last, new_id)
-            self.stop.wait(max(0.0, POLL_SECONDS - (time.time() - observed)))
+            self.stop.wait(max(0.0, POLL_SECONDS - (time.time() - started)))
 
 
 @dataclass
@@ -148,38 +150,6 @@ def write_config(pg: EmbeddedPostgres, root: Path, name: str, args: Any) -> tupl
         properties = {"format-version": "2", **dict(p.split("=", 1) for p in args.property)}
         sections["iceberg"] = {"table_properties": properties}
     return mode_config(pg, root, [TABLE_KEY], "fresh", name, **sections)
-
-
-@contextlib.contextmanager
-def child_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Run ``command`` in its own process group; stop it with SIGINT (then SIGKILL to its group) by pid."""
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)  # its own session: only what it started
-                    process.wait()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)  # anything of its group still running (a run's JVM)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen, log: Path) -> None:
-    """Poll ``predicate`` until true; fail if ``timeout`` passes or the child exits."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if process.poll() is not None:
-            raise RuntimeError(f"the child exited ({process.returncode}) while waiting for {what}; see {log}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {log}")
-        time.sleep(0.5)
 
 
 def measure(
@@ -286,14 +256,8 @@ def measure_dagster(pg: EmbeddedPostgres, root: Path, args: Any) -> Measurement:
     config, path = write_config(pg, root, "dagster", args)
     with Pipeline(config) as pipeline:
         pipeline.snapshot()
-    home = root / "dagster_home"
-    home.mkdir(exist_ok=True)
-    (home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)  # the quickstart's instance settings
-    env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(path)}
-    command = dagster_dev_command(free_port())
-    log = root / "dagster_dev.log"
     started = time.time()
-    with child_process(command, log, env) as process:
+    with dagster_dev(root, path) as (process, log, home):
         result = measure(pg, config, "dagster", process, log, args.rows, args.rate, args.seconds, args.drain)
     dagster_breakdown(home, started, result)
     return result
@@ -301,12 +265,10 @@ def measure_dagster(pg: EmbeddedPostgres, root: Path, args: Any) -> Measurement:
 
 def dagster_breakdown(home: Path, since: float, result: Measurement) -> None:
     """Merge runs from the Dagster instance: when each was created, started and committed, and its phases."""
-    from dagster import DagsterEventType, DagsterInstance, RunsFilter
-    from dagster._core.instance.ref import InstanceRef
+    from dagster import DagsterEventType
 
     runs = []
-    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
-        records = instance.get_run_records(RunsFilter(created_after=datetime.fromtimestamp(since, UTC)))
+    with dagster_runs_since(home, since) as (instance, records):
         for record in records:
             selection = record.dagster_run.asset_selection or set()
             if not any(key.path[-1] == TABLE for key in selection):

@@ -31,6 +31,7 @@ from .common import (
     argument_parser,
     bench_cluster,
     bench_config,
+    checked,
     fill_table,
     run_child,
     work_dir,
@@ -45,13 +46,6 @@ CLI = str(Path(sys.executable).with_name("pg2iceberg-dagster"))
 def cli(config: Path, *command: str) -> list[str]:
     """The pipeline's CLI on ``config``."""
     return [CLI, "-c", str(config), *command]
-
-
-def checked(run: ChildRun, what: str, log: Path) -> ChildRun:
-    """``run``, or an error pointing at the child's output when it failed."""
-    if run.returncode != 0:
-        raise RuntimeError(f"{what} exited with {run.returncode}; its output is in {log}")
-    return run
 
 
 def main() -> None:

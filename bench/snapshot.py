@@ -20,9 +20,7 @@ Rates are rows/s and heap MB/s; each figure is the median of ``--repeat`` runs. 
 
 from __future__ import annotations
 
-import itertools
 import os
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +30,6 @@ from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.pipeline import Pipeline
 
 from .common import (
-    SOURCE_DB,
     Report,
     argument_parser,
     bench_cluster,
@@ -40,7 +37,8 @@ from .common import (
     fill_table,
     machine_busy_seconds,
     median,
-    pg_tool,
+    page_ranges,
+    raw_copy,
     run_dlt_peer,
     work_dir,
 )
@@ -67,31 +65,6 @@ def measured(action: Callable[[], int]) -> Run:
     chunks = action()
     seconds = time.perf_counter() - started
     return Run(seconds, time.process_time() - cpu_before, machine_busy_seconds()[0] - busy_before, chunks)
-
-
-def raw_copy(pg: EmbeddedPostgres, table: str, pages: int, workers: int) -> int:
-    """``workers`` psql processes each COPYing one CTID range of ``table`` to /dev/null, all at once."""
-    bounds = [pages * index // workers for index in range(workers)] + [None]
-    commands = []
-    for start, stop in itertools.pairwise(bounds):
-        where = f"ctid >= '({start},0)'::tid" + (f" AND ctid < '({stop},0)'::tid" if stop is not None else "")
-        commands.append(
-            [
-                pg_tool("psql"),
-                "-X",
-                "-q",
-                "-v",
-                "ON_ERROR_STOP=1",
-                pg.conninfo(SOURCE_DB),
-                "-c",
-                f"COPY (SELECT * FROM {table} WHERE {where}) TO STDOUT",
-            ]
-        )
-    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands]
-    codes = [process.wait() for process in processes]
-    if any(codes):
-        raise RuntimeError(f"psql COPY failed with exit codes {codes}")
-    return workers
 
 
 def snapshot(pg: EmbeddedPostgres, root: Path, table: str, workers: int, run: str) -> Run:
@@ -148,9 +121,8 @@ def main() -> None:
             pages = heap // 8192
             ours: dict[int, float] = {}
             for workers in args.parallelism:
-                copy = median_run(
-                    [measured(lambda: raw_copy(pg, dataset, pages, workers)) for _ in range(args.repeat)]  # noqa: B023
-                )
+                ranges = page_ranges(dataset, pages, workers)
+                copy = median_run([measured(lambda: raw_copy(pg, ranges, workers)) for _ in range(args.repeat)])  # noqa: B023
                 run = median_run(
                     [
                         snapshot(pg, root, dataset, workers, f"{dataset}_p{workers}_r{attempt}")
