@@ -29,8 +29,9 @@ from typing import Any
 import psycopg
 import yaml
 
-from pg2iceberg_dagster.config import PipelineConfig, parse_config
+from pg2iceberg_dagster.config import PipelineConfig, load_config, parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, find_pg_bin, free_port
+from pg2iceberg_dagster.materializer.warm_spark import stop_server
 from pg2iceberg_dagster.quickstart import DAGSTER_INSTANCE_YAML, dagster_dev_command
 
 CATALOG_DB = "iceberg_catalog"
@@ -354,8 +355,11 @@ def dagster_dev(root: Path, config_path: Path) -> Iterator[tuple[subprocess.Pope
     (home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)
     env = {**os.environ, "DAGSTER_HOME": str(home), "PG2ICEBERG_CONFIG": str(config_path)}
     log = root / "dagster_dev.log"
-    with child_process(dagster_dev_command(free_port()), log, env) as process:
-        yield process, log, home
+    try:
+        with child_process(dagster_dev_command(free_port()), log, env) as process:
+            yield process, log, home
+    finally:
+        stop_server(load_config(config_path))  # the merge runs' warm Spark driver, a process of its own
 
 
 @contextlib.contextmanager
