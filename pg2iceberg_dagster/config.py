@@ -297,6 +297,11 @@ class FlushConfig(_Strict):
     max_rows: int = Field(50_000, ge=1)
     max_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     interval_seconds: float = Field(5.0, gt=0)
+    # Under ``run``, while no merge is in progress, a flush at least this long after the previous one
+    # is not held back to ``interval_seconds``: the merge it wakes starts at once. It bounds the files
+    # and Iceberg commits an idle materializer adds (at most one per table per this many seconds);
+    # at or above ``interval_seconds`` it changes nothing.
+    min_interval_seconds: float = Field(1.0, ge=0)
     txn_memory_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     spill_dir: str | None = None
 

@@ -210,13 +210,21 @@ class Pipeline:
         until_caught_up: bool = False,
         max_seconds: float | None = None,
         on_flush: Any = None,
+        merge_idle: threading.Event | None = None,
     ) -> FlushStats:
-        """Run the flusher (see :meth:`Flusher.run`)."""
+        """Run the flusher (see :meth:`Flusher.run`); ``merge_idle`` is set by a materializer waiting
+        for the next flush, which then comes sooner (``flush.min_interval_seconds``)."""
         report = self.validate()
         with contextlib.closing(CoordinationStore(self.config.state_connection)) as store:
             flusher = Flusher(self.config, store, report.tables)
             try:
-                return flusher.run(stop, until_caught_up=until_caught_up, max_seconds=max_seconds, on_flush=on_flush)
+                return flusher.run(
+                    stop,
+                    until_caught_up=until_caught_up,
+                    max_seconds=max_seconds,
+                    on_flush=on_flush,
+                    merge_idle=merge_idle,
+                )
             except StagingError as exc:
                 raise StagingError(
                     f"{exc}. {_nothing_after(store)}; once there is room (or the store is reachable again), "
@@ -364,9 +372,11 @@ class Pipeline:
         """Everything in one process: snapshot, then stream in a thread while merging.
 
         A merge starts as soon as the flusher has staged something (and at least every ``interval``
-        seconds, default ``materialize.interval_seconds``), so a change waits for one flush interval
-        and at most one merge in progress, not for a polling period. The Spark session is created once
-        and lives as long as the process.
+        seconds, default ``materialize.interval_seconds``), and while no merge runs the flusher stages
+        ``flush.min_interval_seconds`` after its previous flush rather than ``flush.interval_seconds``:
+        a change waits for the merge in progress (or that minimum, whichever is longer) and its own
+        merge, not for a flush interval or a polling period. While a merge runs, commits gather for the
+        flush made when it ends. The Spark session is created once and lives as long as the process.
 
         The first run snapshots every table before it streams (the snapshot creates the slot). Once a
         table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
@@ -378,10 +388,11 @@ class Pipeline:
             self.snapshot()
         errors: list[BaseException] = []
         staged = threading.Event()
+        merge_idle = threading.Event()  # set while the loop below waits: a flush now is merged at once
 
         def stream() -> None:
             try:
-                self.stream(stop, on_flush=lambda _stats: staged.set())
+                self.stream(stop, on_flush=lambda _stats: staged.set(), merge_idle=merge_idle)
             except BaseException as exc:  # surfaced to the main loop
                 errors.append(exc)
                 stop.set()
@@ -415,7 +426,9 @@ class Pipeline:
                             ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
                             result.lag.changes,
                         )
+                merge_idle.set()
                 _wait_for_either(stop, staged, wait)
+                merge_idle.clear()
         finally:
             stop.set()
             thread.join()

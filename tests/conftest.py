@@ -191,25 +191,39 @@ def sync(pipeline: Pipeline) -> None:
 
 
 @contextlib.contextmanager
-def running(path: Path, metrics_port: int | None = None) -> Iterator[list[BaseException]]:
-    """``run`` following the config at ``path`` in a thread; yields the errors it raised (none, at the end)."""
+def _in_thread(target: Callable[[threading.Event], object]) -> Iterator[list[BaseException]]:
+    """``target(stop)`` in a thread; yields the list of errors it raised; on exit sets ``stop`` and joins it."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            run_following_config(path, stop, metrics_port=metrics_port)
-        except BaseException as exc:
+            target(stop)
+        except BaseException as exc:  # surfaced to the test
             errors.append(exc)
 
-    runner = threading.Thread(target=run)
+    runner = threading.Thread(target=run, name="run", daemon=True)
     runner.start()
     try:
         yield errors
     finally:
         stop.set()
         runner.join()
+
+
+@contextlib.contextmanager
+def running(path: Path, metrics_port: int | None = None) -> Iterator[list[BaseException]]:
+    """``run`` following the config at ``path`` in a thread; yields the errors it raised (none, at the end)."""
+    with _in_thread(lambda stop: run_following_config(path, stop, metrics_port=metrics_port)) as errors:
+        yield errors
     assert not errors
+
+
+def pipeline_running(
+    pipeline: Pipeline, interval: float | None = None
+) -> contextlib.AbstractContextManager[list[BaseException]]:
+    """``pipeline.run`` in a thread until the block ends; yields the list of errors it raised."""
+    return _in_thread(lambda stop: pipeline.run(stop, interval))
 
 
 def assert_mirrored(pipeline: Pipeline) -> None:

@@ -153,6 +153,18 @@ def test_other_field_errors() -> None:
     assert "iceberg.namespace: may only use the placeholder {schema}" in message
 
 
+def test_flush_min_interval_defaults_and_bounds() -> None:
+    """``flush.min_interval_seconds``: 1 s by default, 0 allowed (flush whenever the merger waits),
+    negative refused with the field named; above ``interval_seconds`` it is accepted (it then changes nothing)."""
+    assert parse_config(copy.deepcopy(MINIMAL)).flush.min_interval_seconds == 1.0
+    assert parse_config(config_with(flush={"min_interval_seconds": 0})).flush.min_interval_seconds == 0
+    flush = parse_config(config_with(flush={"interval_seconds": 0.5, "min_interval_seconds": 2})).flush
+    assert (flush.interval_seconds, flush.min_interval_seconds) == (0.5, 2)
+    message = config_error(config_with(flush={"min_interval_seconds": -1}))
+    assert "flush.min_interval_seconds: Input should be greater than or equal to 0" in message
+    assert "flush.min_interval_seconds:" in config_error(config_with(flush={"min_interval_seconds": "soon"}))
+
+
 def test_top_level_not_a_mapping() -> None:
     """A YAML list or scalar at the top level is rejected."""
     assert "expected a mapping" in config_error(["source"])

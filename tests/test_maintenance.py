@@ -5,7 +5,6 @@ equals the live source row by row, and merges go on."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from pg2iceberg_dagster.maintenance.orphans import orphan_files, referenced_file
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.staging.store import ObjectStore, merge_batch_prefix
 
-from .conftest import Crash, SourceDb, assert_mirrored, sync
+from .conftest import Crash, SourceDb, assert_mirrored, pipeline_running, sync
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -175,18 +174,7 @@ def test_run_maintains_tables_between_merges(source: SourceDb, monkeypatch: pyte
     config = _config(source, compact_at_files=3)
     monkeypatch.setattr(pipeline_module, "UPKEEP_CHECK_SECONDS", 0.5)
     pipeline = _churned(source, config, 0)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            pipeline.run(stop, interval=0.5)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
+    with pipeline_running(pipeline, interval=0.5) as errors:
         most_snapshots = 0
         for round_ in range(12):
             source.execute("UPDATE items SET note = note || '.' WHERE id %% 7 = %s", (round_ % 7,))
@@ -196,9 +184,6 @@ def test_run_maintains_tables_between_merges(source: SourceDb, monkeypatch: pyte
         maintained = source.execute(
             "SELECT count(*) FROM _pg2iceberg.tables WHERE maintained_at > now() - interval '1 minute'"
         )
-    finally:
-        stop.set()
-        thread.join(120)
     assert not errors, errors
     assert maintained == [(1,)]
     table = _table(pipeline)

@@ -7,7 +7,6 @@ PostgreSQL row by row; readers during the copy must see the table as it was, nev
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.errors import ResyncRequiredError, UnsupportedTypeError
 from pg2iceberg_dagster.snapshot import resync
 
-from .conftest import Crash, SourceDb, assert_mirrored, sync
+from .conftest import Crash, SourceDb, assert_mirrored, pipeline_running, sync
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -151,18 +150,7 @@ def test_run_resyncs_on_its_own_and_keeps_merging_the_other_tables(source: Sourc
     _items(source, rows=50)
     pipeline = source.pipeline(source.config(["public.items", "public.other"], materialize={"interval_seconds": 0.5}))
     pipeline.snapshot()
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            pipeline.run(stop)
-        except BaseException as exc:
-            errors.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    try:
+    with pipeline_running(pipeline) as errors:
         source.execute("ALTER TABLE public.items ALTER COLUMN code TYPE text USING 'c' || code::text")
         source.execute("UPDATE public.items SET v = 'after' WHERE id < 10")
         source.execute("UPDATE public.other SET v = 'after' WHERE id < 5")
@@ -173,9 +161,6 @@ def test_run_resyncs_on_its_own_and_keeps_merging_the_other_tables(source: Sourc
                 if not probe.resyncs_pending() and all(diff.ok for diff in probe.verify()):
                     break
             time.sleep(1)
-    finally:
-        stop.set()
-        runner.join()
     assert not errors
     assert_mirrored(pipeline)
 

@@ -62,6 +62,7 @@ class _RunState:
     target: int | None  # until_caught_up: the WAL position to flush
     on_flush: Callable[[FlushStats], None] | None
     last_flush: float  # time.monotonic() of the last flush (or of the start)
+    merge_idle: threading.Event | None  # set while a merge would start on the next flush (``run``)
     in_transaction: bool = False
     commit_ts: int = 0  # of the open transaction, in Unix microseconds
     xid: int = 0  # of the open transaction
@@ -102,9 +103,14 @@ class Flusher:
         until_caught_up: bool = False,
         max_seconds: float | None = None,
         on_flush: Callable[[FlushStats], None] | None = None,
+        merge_idle: threading.Event | None = None,
     ) -> FlushStats:
         """Stream until ``stop`` is set, the time budget ends, or (``until_caught_up``) the WAL position
-        at the start has been flushed. Everything received and committed is flushed before returning."""
+        at the start has been flushed. Everything received and committed is flushed before returning.
+
+        ``merge_idle``, set by a materializer while it waits for the next flush, lets committed changes
+        be flushed ``flush.min_interval_seconds`` after the previous flush instead of
+        ``flush.interval_seconds`` (see :meth:`_flush_due`)."""
         stop = stop or threading.Event()
         start_lsn = self.store.flushed_lsn()
         if start_lsn is None:
@@ -132,6 +138,7 @@ class Flusher:
                 target=target,
                 on_flush=on_flush,
                 last_flush=last_flush,
+                merge_idle=merge_idle,
             )
             try:
                 self._stream(run)
@@ -254,12 +261,23 @@ class Flusher:
             run.on_flush(run.stats)
 
     def _flush_due(self, run: _RunState, now: float) -> bool:
-        """A commit waits and the staged rows, bytes or time since the last flush reached their bound."""
+        """A commit waits and the staged rows, bytes or time since the last flush reached their bound.
+
+        The time bound is ``interval_seconds``, or only ``min_interval_seconds`` while the materializer
+        is idle (``merge_idle``): a flush then becomes visible after one merge instead of waiting for
+        the interval. While a merge runs, commits gather until it ends (fewer, bigger merges when
+        merges are slow); ``min_interval_seconds`` caps the flushes, and so the staged files and
+        Iceberg commits, an idle materializer causes."""
         flush = self.config.flush
-        return run.pending_end_lsn is not None and (
+        if run.pending_end_lsn is None:
+            return False
+        waited = now - run.last_flush
+        idle = run.merge_idle is not None and run.merge_idle.is_set()
+        return (
             run.writer.rows >= flush.max_rows
             or run.writer.bytes >= flush.max_bytes
-            or now - run.last_flush >= flush.interval_seconds
+            or waited >= flush.interval_seconds
+            or (idle and waited >= flush.min_interval_seconds)
         )
 
     @staticmethod
