@@ -238,7 +238,14 @@ class CatalogConfig(_Strict):
 # Properties of the tables we create; the config's own are laid over them. A 64 KiB dictionary page
 # keeps dictionaries for low-cardinality columns but gives up early on the others, where building a
 # dictionary doubled Parquet encoding time and, under zstd, made files larger (bench/snapshot.py).
-DEFAULT_TABLE_PROPERTIES = {"format-version": "2", "write.parquet.dict-size-bytes": "65536"}
+# Each commit writes a new metadata file; a mirror commits every second or so, so Spark and pyiceberg
+# delete those past the table's metadata log (100 by default) at commit instead of leaving tens of
+# thousands a day to orphan removal.
+DEFAULT_TABLE_PROPERTIES = {
+    "format-version": "2",
+    "write.parquet.dict-size-bytes": "65536",
+    "write.metadata.delete-after-commit.enabled": "true",
+}
 
 
 class IcebergConfig(_Strict):

@@ -274,3 +274,16 @@ def test_the_maintenance_sensor_skips_a_pipeline_that_has_not_run_yet(source: So
     ):
         ticked = build_definitions(path).resolve_sensor_def("pg2iceberg_maintenance")(context)
     assert isinstance(ticked, SkipReason) and "no table is due" in (ticked.skip_message or "")
+
+
+def test_old_metadata_files_are_deleted_at_commit(source: SourceDb) -> None:
+    """A mirror commits every few seconds, each commit a new metadata file: by default the files past
+    the table's metadata log are deleted by the commit that drops them from it (Spark's and pyiceberg's
+    alike), not left for orphan removal."""
+    config = _config(source)
+    iceberg = config.iceberg.model_dump(mode="json", exclude_none=True)
+    iceberg["table_properties"]["write.metadata.previous-versions-max"] = "2"
+    pipeline = _churned(source, source.config(["public.items"], iceberg=iceberg), 5)
+    location = Path(_table(pipeline).location().removeprefix("file://")) / "metadata"
+    assert len(list(location.glob("*.metadata.json"))) == 3  # the current one and the log's two
+    assert_mirrored(pipeline)
