@@ -326,11 +326,17 @@ class Pipeline:
         }
 
     def flush_tick(self, max_seconds: float) -> FlushTick | None:
-        """Stream for at most ``max_seconds``; None before the snapshot has created the slot."""
+        """Stream for at most ``max_seconds``; None before the snapshot has created the slot.
+
+        The merges run in other processes (Dagster runs), which take whatever is staged when they
+        start: nothing is gained by holding commits back for them, so a tick flushes every
+        ``flush.min_interval_seconds`` (a run merges the files of several flushes in one commit)."""
         self.store.migrate()
         if self.store.flushed_lsn() is None:
             return None
-        stats = self.stream(max_seconds=max_seconds)
+        merges_elsewhere = threading.Event()
+        merges_elsewhere.set()
+        stats = self.stream(max_seconds=max_seconds, merge_idle=merges_elsewhere)
         lags = self.store.lags(self.config.materialize.group)  # one query for every table staged
         staged = {key: (count, lags[key][0]) for key, count in stats.rows_by_table.items() if count}
         return FlushTick(stats.flushed_lsn, staged)

@@ -84,3 +84,27 @@ def test_run_flushes_early_while_the_materializer_waits(source: SourceDb) -> Non
     # Early flushes are spaced by flush.min_interval_seconds: they batch commits, not one file each.
     staged_files = probe.store.log_entries("public.items", 0, 10**9)
     assert len(staged_files) < len(writer.committed) / 2, (len(staged_files), len(writer.committed))
+
+
+def test_a_dagster_flusher_tick_stages_at_the_minimum_interval(source: SourceDb) -> None:
+    """The flusher sensor's tick (``Pipeline.flush_tick``) under continuous writes and a 30 s
+    ``flush.interval_seconds``: merge runs are other processes, so the tick stages every
+    ``min_interval_seconds`` instead of holding its commits for the interval (or the end of the tick);
+    every change is in the staged log, each once."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
+    config = source.config(["public.items"], flush={"interval_seconds": FLUSH_INTERVAL, "min_interval_seconds": 0.5})
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    writer = _Writer(source.conninfo, 1)
+    writer.start()
+    try:
+        tick = pipeline.flush_tick(max_seconds=4.0)
+    finally:
+        writer.stop.set()
+        writer.join()
+    assert tick is not None
+    entries = pipeline.store.log_entries("public.items", 0)
+    assert len(entries) >= 3, "several flushes within one 4 s tick"
+    pipeline.stream(until_caught_up=True)
+    pipeline.materialize()
+    assert_mirrored(pipeline)
