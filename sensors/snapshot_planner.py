@@ -1,7 +1,9 @@
 """Plans each table's CTID chunks (from its page count) and adds them as dynamic partitions; chunks that
 must be read again (their table started over in a new snapshot epoch, though Dagster shows them
-materialized) are requested as one ranged run, which skips the chunks already done. Once a table's
-snapshot is complete, its live table is reported materialized (its data is complete)."""
+materialized) are requested as one ranged run, which skips the chunks already done. Chunks read by
+another process (the CLI ``snapshot``, ``run``) are reported materialized, so no run is launched only
+to find them done. Once a table's snapshot is complete, its live table is reported materialized (its
+data is complete)."""
 
 from dagster import (
     AddDynamicPartitionsRequest,
@@ -41,6 +43,27 @@ def _read_again(
             ASSET_PARTITION_RANGE_END_TAG: redo[-1].partition_key,
         },
     )
+
+
+def _done_elsewhere(
+    translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan, known: set[str], materialized: set[str]
+) -> list[AssetMaterialization]:
+    """The chunks of the table's current epoch that are done but that Dagster does not show
+    materialized (read by the CLI, by ``run``, or by a run that has not reported yet), as
+    materializations of their partitions: automation then has nothing to launch for them."""
+    return [
+        AssetMaterialization(
+            asset_key=translator.snapshot_key(table),
+            partition=chunk.partition_key,
+            description="read by another process of the pipeline",
+            metadata={"snapshot_epoch": chunk.epoch if chunk.epoch is not None else -1},
+        )
+        for chunk in plan.chunks
+        if chunk.done
+        and chunk.epoch == plan.epoch
+        and chunk.partition_key in known
+        and chunk.partition_key not in materialized
+    ]
 
 
 def _live_table_complete(
@@ -110,6 +133,9 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
                 materialized = context.instance.get_materialized_partitions(translator.snapshot_key(table))
                 if run := _read_again(translator, table, plan, materialized):
                     runs.append(run)
+                reported = _done_elsewhere(translator, table, plan, known, materialized)
+                events += reported
+                materialized = materialized | {event.partition for event in reported if event.partition}
                 if event := _live_table_complete(context, translator, table, plan, materialized, pipeline):
                     events.append(event)
         if not requests and not runs and not events:

@@ -223,10 +223,10 @@ def test_lagging_tables_merge_in_one_run_and_one_failure_holds_back_none(source:
     assert_mirrored(mirrored)
 
 
-def test_live_table_reported_after_its_chunks_show_materialized(source: SourceDb, tmp_path: Path) -> None:
-    """A table snapshotted by the CLI before Dagster ran: its live table is reported materialized only
-    once Dagster shows every chunk partition materialized, so it never reads as older than its
-    snapshot ("Unsynced")."""
+def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: SourceDb, tmp_path: Path) -> None:
+    """A table snapshotted by the CLI before Dagster ran: the planner reports its chunk partitions
+    materialized (no run is launched only to find them done), then the live table, after its chunks,
+    so it never reads as older than its snapshot ("Unsynced")."""
     source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
     source.execute("INSERT INTO public.items SELECT g, 'v' || g FROM generate_series(1, 2000) g")
     config_path = _write_config(source, tmp_path, ["public.items"])
@@ -236,16 +236,19 @@ def test_live_table_reported_after_its_chunks_show_materialized(source: SourceDb
     snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "items_snapshot"]))
     with instance_for_test() as instance:
         planned = _plan_partitions(defs, instance, config_path)
-        assert not planned.asset_events, "chunks not materialized yet"
+        assert not planned.asset_events, "the partitions are registered first"
         keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert len(keys) > 1
-        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
-        ran = materialize([snapshot], instance=instance, tags=tags)
-        assert ran.success  # every chunk already done: skipped
         ticked = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
         assert isinstance(ticked, SensorResult)
-        assert [event.asset_key for event in ticked.asset_events] == [AssetKey(["iceberg", ns, "items"])]
-        assert ticked.asset_events[0].metadata["dagster/row_count"].value == 2000
+        *chunks, live = ticked.asset_events
+        assert [(e.asset_key, e.partition) for e in chunks] == [(snapshot.key, key) for key in keys]
+        assert live.asset_key == AssetKey(["iceberg", ns, "items"]) and live.metadata["dagster/row_count"].value == 2000
+        for event in ticked.asset_events:
+            instance.report_runless_asset_event(event)
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
+        assert evaluation.get_num_requested(snapshot.key) == 0, "nothing left for a chunk run"
+        assert not isinstance(_tick(defs, "pg2iceberg_snapshot_planner", instance, config_path), SensorResult)
 
 
 def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb, tmp_path: Path) -> None:
