@@ -46,11 +46,13 @@ def _read_again(
 
 
 def _done_elsewhere(
-    translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan, known: set[str], materialized: set[str]
+    translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan, materialized: set[str]
 ) -> list[AssetMaterialization]:
     """The chunks of the table's current epoch that are done but that Dagster does not show
     materialized (read by the CLI, by ``run``, or by a run that has not reported yet), as
-    materializations of their partitions: automation then has nothing to launch for them."""
+    materializations of their partitions: automation then has nothing to launch for them. Reported
+    in the tick that adds the partitions (the daemon records the events first, and Dagster keeps
+    them for the partitions added after), so no automation tick sees them missing in between."""
     return [
         AssetMaterialization(
             asset_key=translator.snapshot_key(table),
@@ -59,10 +61,7 @@ def _done_elsewhere(
             metadata={"snapshot_epoch": chunk.epoch if chunk.epoch is not None else -1},
         )
         for chunk in plan.chunks
-        if chunk.done
-        and chunk.epoch == plan.epoch
-        and chunk.partition_key in known
-        and chunk.partition_key not in materialized
+        if chunk.done and chunk.epoch == plan.epoch and chunk.partition_key not in materialized
     ]
 
 
@@ -133,7 +132,7 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
                 materialized = context.instance.get_materialized_partitions(translator.snapshot_key(table))
                 if run := _read_again(translator, table, plan, materialized):
                     runs.append(run)
-                reported = _done_elsewhere(translator, table, plan, known, materialized)
+                reported = _done_elsewhere(translator, table, plan, materialized)
                 events += reported
                 materialized = materialized | {event.partition for event in reported if event.partition}
                 if event := _live_table_complete(context, translator, table, plan, materialized, pipeline):

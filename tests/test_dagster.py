@@ -64,9 +64,12 @@ def _tick(defs: Definitions, name: str, instance: DagsterInstance, config_path: 
 
 
 def _plan_partitions(defs: Definitions, instance: DagsterInstance, config_path: str) -> SensorResult:
-    """Tick the planner sensor and add the chunk partitions it registers (as the daemon would)."""
+    """Tick the planner sensor, record the events it reports and add the chunk partitions it
+    registers (as the daemon would, in that order)."""
     planned = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
     assert isinstance(planned, SensorResult)
+    for event in planned.asset_events:
+        instance.report_runless_asset_event(event)
     for request in planned.dynamic_partitions_requests:
         if isinstance(request, AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
@@ -235,17 +238,13 @@ def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: Sou
     ns = f"{source.name}_public"
     snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "items_snapshot"]))
     with instance_for_test() as instance:
+        # One tick registers the partitions and reports the chunks read, then the live table.
         planned = _plan_partitions(defs, instance, config_path)
-        assert not planned.asset_events, "the partitions are registered first"
         keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert len(keys) > 1
-        ticked = _tick(defs, "pg2iceberg_snapshot_planner", instance, config_path)
-        assert isinstance(ticked, SensorResult)
-        *chunks, live = ticked.asset_events
+        *chunks, live = planned.asset_events
         assert [(e.asset_key, e.partition) for e in chunks] == [(snapshot.key, key) for key in keys]
         assert live.asset_key == AssetKey(["iceberg", ns, "items"]) and live.metadata["dagster/row_count"].value == 2000
-        for event in ticked.asset_events:
-            instance.report_runless_asset_event(event)
         evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
         assert evaluation.get_num_requested(snapshot.key) == 0, "nothing left for a chunk run"
         assert not isinstance(_tick(defs, "pg2iceberg_snapshot_planner", instance, config_path), SensorResult)
