@@ -19,6 +19,17 @@ from collections.abc import Callable, Sequence
 from .config import PipelineConfig
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def spawn_with_config(argv: Sequence[str], config: PipelineConfig) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session with ``config`` on its stdin. Its stderr goes to an unnamed
     temporary file, read by :func:`detached_error` if it exits early."""

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psycopg
 
+from .detached import process_alive
+
 PG_BIN_CANDIDATES = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin", "/usr/lib/postgresql/14/bin")
 
 
@@ -140,11 +142,7 @@ class EmbeddedPostgres:
             pid = int(pid_file.read_text().splitlines()[0])
         except (FileNotFoundError, IndexError, ValueError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return pid
+        return pid if process_alive(pid) else None
 
     def start(self, timeout: float = 60.0) -> None:
         """Initialise if needed, start, and wait until connections are accepted."""

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PipelineConfig
-from ..detached import detached_error, spawn_with_config
+from ..detached import detached_error, process_alive, spawn_with_config
 from ..errors import Pg2IcebergError
 from .spark import build_spark_session, py4j_quiet, spark_conf
 
@@ -71,14 +72,10 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _serving(path: Path) -> bool:
+    """The endpoint file at ``path`` is this process's (not replaced by another server, nor removed)."""
+    current = _read_endpoint(path)
+    return current is not None and current.get("pid") == os.getpid()
 
 
 def serve(config: PipelineConfig, stop: threading.Event) -> None:
@@ -94,15 +91,12 @@ def serve(config: PipelineConfig, stop: threading.Event) -> None:
     log.warning("warm Spark server %d serving %s", os.getpid(), config.spark.master)
     try:
         while not stop.wait(CHECK_SECONDS):
-            current = _read_endpoint(path)
             # Replaced (or removed): new runs go to the new server; this one finishes its merges.
-            replaced = current is None or current.get("pid") != os.getpid()
-            idle = replaced or time.time() - path.stat().st_mtime > config.spark.warm_idle_seconds
+            idle = not _serving(path) or time.time() - path.stat().st_mtime > config.spark.warm_idle_seconds
             if idle and not session.sparkContext.statusTracker().getActiveJobsIds():
                 return
     finally:
-        current = _read_endpoint(path)
-        if current is not None and current.get("pid") == os.getpid():
+        if _serving(path):
             path.unlink(missing_ok=True)
         session.stop()
 
@@ -152,7 +146,7 @@ def warm_session(config: PipelineConfig) -> Any:
     with _starting_lock(path):
         endpoint = _read_endpoint(path)
         session = None
-        if endpoint is not None and endpoint.get("digest") == digest and _alive(int(endpoint["pid"])):
+        if endpoint is not None and endpoint.get("digest") == digest and process_alive(int(endpoint["pid"])):
             try:
                 session = _attach(endpoint)
             except Exception as exc:  # killed a moment ago (not reaped yet), or its gateway is gone
@@ -189,12 +183,12 @@ def stop_server(config: PipelineConfig, timeout: float = 60.0) -> int | None:
 def stop_server_at(path: Path, timeout: float = 60.0) -> int | None:
     """Stop the warm server of the endpoint file at ``path`` (see :func:`stop_server`)."""
     endpoint = _read_endpoint(path)
-    if endpoint is None or not _alive(int(endpoint["pid"])):
+    if endpoint is None or not process_alive(int(endpoint["pid"])):
         path.unlink(missing_ok=True)  # left by a killed server
         return None
     pid = int(endpoint["pid"])
-    os.kill(pid, 15)
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     return pid
