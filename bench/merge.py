@@ -19,7 +19,11 @@ the JVM start as in a new deployment:
 
 Per merge it prints where the time went (read, fold, arrow, spark_start, spark_merge, commit; see
 ``pg2iceberg_dagster.materializer.merge.PHASES``), and the ratio ours / raw Spark MERGE over the warm
-pairs (changes per second).
+pairs (changes per second), and the warm rate against 100k changes/s.
+
+A merge-on-read table of at least ``materialize.branch_upsert_min_rows`` rows (the 2M rows here) is
+written as delete-by-key plus append on a branch, then main is fast-forwarded (see
+``Materializer._write_on_branch``); the raw MERGE is Spark's own plan for the same changes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pg2iceberg_dagster.pipeline import Pipeline
 from .common import SOURCE_DB, Report, argument_parser, bench_cluster, bench_config, fill_table, timed, work_dir
 
 MODES = ("copy-on-write", "merge-on-read")
+TARGET_CHANGES_PER_S = 100_000
 TXN_ROWS = 10_000
 
 
@@ -265,6 +270,9 @@ def main() -> None:
             raw = [row for row in outcome["rows"] if row[1].startswith("raw")]
             # Same changes on both sides: the rate ratio is raw seconds over ours, summed over the pairs.
             report.ratio(f"{mode}_warm_vs_raw_spark_merge", sum(r[3] for r in raw) / sum(r[3] for r in warm))
+            # The issue's bar: 100k changes/s warm (changes over seconds, summed over the warm merges).
+            warm_rate = sum(r[2] for r in warm) / sum(r[3] for r in warm)
+            report.ratio(f"{mode}_warm_changes_per_s_vs_100k", warm_rate / TARGET_CHANGES_PER_S, 1.0)
             report.ratio(f"{mode}_verify_ok", float(outcome["facts"]["verify_ok"]), 1.0)
     report.emit(args.json)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import MaintenanceConfig
-from ..materializer.spark_sql import spark_identifier, spark_string
+from ..materializer.spark_sql import call_procedure, spark_identifier, spark_string
 
 
 @dataclass
@@ -24,13 +24,6 @@ class Rewrites:
     manifests_rewritten: int = 0
     snapshots_expired: int = 0
     files_expired: int = 0
-
-
-def _call(spark: Any, catalog: str, procedure: str, arguments: dict[str, str]) -> dict[str, Any]:
-    """``CALL catalog.system.procedure(name => value, ...)``: its one result row as a dict."""
-    text = ", ".join(f"{name} => {value}" for name, value in arguments.items())
-    rows = spark.sql(f"CALL {spark_identifier(catalog)}.system.{procedure}({text})").collect()
-    return rows[0].asDict() if rows else {}
 
 
 def _options(options: dict[str, str]) -> str:
@@ -46,7 +39,7 @@ def compact(
     table = spark_string(spark_identifier(*identifier))
     target = str(config.target_file_size_bytes)
     done = Rewrites()
-    data = _call(
+    data = call_procedure(
         spark,
         catalog,
         "rewrite_data_files",
@@ -68,7 +61,7 @@ def compact(
     done.data_files_rewritten = int(data.get("rewritten_data_files_count", 0))
     done.data_files_added = int(data.get("added_data_files_count", 0))
     done.delete_files_removed = int(data.get("removed_delete_files_count", 0))
-    deletes = _call(
+    deletes = call_procedure(
         spark,
         catalog,
         "rewrite_position_delete_files",
@@ -79,7 +72,7 @@ def compact(
     done.delete_files_removed += int(deletes.get("rewritten_delete_files_count", 0)) - int(
         deletes.get("added_delete_files_count", 0)
     )
-    manifests = _call(spark, catalog, "rewrite_manifests", {"table": table})
+    manifests = call_procedure(spark, catalog, "rewrite_manifests", {"table": table})
     done.manifests_rewritten = int(manifests.get("rewritten_manifests_count", 0))
     return done
 
@@ -90,7 +83,7 @@ def expire_snapshots(
     """Expire snapshots older than the retention, keeping the newest ``min_snapshots``; Iceberg deletes
     the files only they referenced."""
     cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(hours=config.snapshot_retention_hours)
-    expired = _call(
+    expired = call_procedure(
         spark,
         catalog,
         "expire_snapshots",

@@ -54,7 +54,16 @@ from ..staging.store import ObjectStore, merge_batch_prefix
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .fold import fold
-from .spark_sql import fill_statement, merge_statement, spark_identifier
+from .spark_sql import (
+    UNCHANGED_COLUMN,
+    call_procedure,
+    delete_keys_statement,
+    fill_statement,
+    insert_upserts_statement,
+    merge_statement,
+    spark_identifier,
+    spark_string,
+)
 from .toast_fill import fill_moved_keys
 from .vectorized import can_fold_vectorized, fold_vectorized, typed_column
 
@@ -122,6 +131,11 @@ class PreparedBatch:
 
 
 log = logging.getLogger(__name__)
+
+# The Iceberg branch a batch is written on before main is fast-forwarded to it (see
+# Materializer._write_on_branch); how many times a batch is written again when main moved meanwhile.
+MERGE_BRANCH = "pg2iceberg_merge"
+FAST_FORWARD_ATTEMPTS = 4
 
 # The live columns of a table (name, type, default, position): any DDL the schema follows changes it.
 _COLUMNS_SIGNATURE = """
@@ -416,9 +430,10 @@ class Materializer:
         with timed_phase(timings, "arrow"):
             rows = folded_arrow(folded, table, self.config.values.out_of_range)
         deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
+        unchanged = pc.any(pc.greater(pc.list_value_length(rows.column(UNCHANGED_COLUMN)), 0)).as_py()
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
-            truncated=folded.truncated, has_unchanged=True, vectorized=False,
+            truncated=folded.truncated, has_unchanged=bool(unchanged), vectorized=False,
         )  # fmt: skip
 
     def _apply_batch(
@@ -435,10 +450,14 @@ class Materializer:
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
         with timed_phase(timings, "spark_merge"):
-            if prepared.truncated:
-                spark.sql(f"DELETE FROM {target}")
-            if prepared.rows.num_rows:
-                self._merge_rows(spark, table_key, target, prepared)
+            if prepared.rows.num_rows and self._upserts_on_branch(prepared):
+                with self._spark_view(spark, table_key, prepared.rows) as view:
+                    self._write_on_branch(spark, prepared, view)
+            else:
+                if prepared.truncated:
+                    spark.sql(f"DELETE FROM {target}")
+                if prepared.rows.num_rows:
+                    self._merge_rows(spark, table_key, target, prepared)
         with timed_phase(timings, "commit"):
             table = self.catalog.load_table(prepared.identifier)
             snapshot = table.current_snapshot()
@@ -468,6 +487,60 @@ class Materializer:
             spark.catalog.dropTempView(view)
         finally:
             self.object_store.delete(batch_key)
+
+    def _upserts_on_branch(self, prepared: PreparedBatch) -> bool:
+        """Whether the batch is written as delete-by-key plus append on :data:`MERGE_BRANCH`: every
+        upsert carries all its columns (nothing to keep from the target), the table is merge-on-read,
+        and it holds at least ``materialize.branch_upsert_min_rows`` rows. Spark plans a MERGE with inserts as an
+        outer join that shuffles and sorts the whole target unless it can broadcast it; deleting the
+        batch's keys is an inner join that broadcasts the batch instead."""
+        snapshot = prepared.table.current_snapshot()
+        if prepared.has_unchanged or snapshot is None or snapshot.summary is None:
+            return False
+        if prepared.table.properties.get("write.merge.mode") != "merge-on-read":
+            # Copy-on-write rewrites every file a key lives in either way: the MERGE was as fast.
+            return False
+        rows = int(snapshot.summary.additional_properties.get("total-records", 0))
+        return rows >= self.config.materialize.branch_upsert_min_rows
+
+    def _write_on_branch(self, spark: Any, prepared: PreparedBatch, view: str) -> None:
+        """Apply the batch on :data:`MERGE_BRANCH` (started at main's snapshot): delete its keys (or
+        every row, after a TRUNCATE), append its upserts; then fast-forward main to it, one commit,
+        so readers of main never see the keys deleted and not yet appended. Replaying a batch this
+        wrote is harmless (its keys are deleted and appended again). Another writer's commit to main
+        in between makes the fast-forward fail: the batch is written again from main's new snapshot."""
+        catalog = self.config.iceberg.catalog.name
+        table = spark_identifier(catalog, *prepared.identifier)
+        branch = spark_identifier(catalog, *prepared.identifier, f"branch_{MERGE_BRANCH}")
+        columns = [f.name for f in prepared.table.schema().fields]
+        refs = prepared.table.metadata.refs
+        # Main's snapshot as this batch was read, and the branch left there by the last fast-forward.
+        on_main = MERGE_BRANCH in refs and refs[MERGE_BRANCH].snapshot_id == refs["main"].snapshot_id
+        for attempt in range(1, FAST_FORWARD_ATTEMPTS + 1):
+            if not on_main:
+                spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH {spark_identifier(MERGE_BRANCH)}")
+            spark.sql(
+                f"DELETE FROM {branch}" if prepared.truncated else delete_keys_statement(branch, view, prepared.key)
+            )
+            spark.sql(insert_upserts_statement(branch, view, columns))
+            crash_point("materializer.before_fast_forward")
+            try:
+                call_procedure(
+                    spark,
+                    catalog,
+                    "fast_forward",
+                    {
+                        "table": spark_string(spark_identifier(*prepared.identifier)),
+                        "branch": spark_string("main"),
+                        "to": spark_string(MERGE_BRANCH),
+                    },
+                )
+                return
+            except Exception as exc:
+                if "not an ancestor" not in str(exc) or attempt == FAST_FORWARD_ATTEMPTS:
+                    raise
+                log.info("%s: main moved while a batch was written on its branch; writing it again", table)
+                on_main = False
 
     def _merge_rows(self, spark: Any, table_key: str, target: str, prepared: PreparedBatch) -> None:
         """MERGE the prepared rows into ``target``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 OP_COLUMN = "_op"
 UNCHANGED_COLUMN = "_unchanged"
 
@@ -50,3 +52,26 @@ def fill_statement(target: str, source_view: str, columns: list[str]) -> str:
     """Set ``columns`` of every row of ``target`` to the values in the one row of ``source_view``."""
     assignments = ", ".join(f"t.{spark_identifier(c)} = s.{spark_identifier(c)}" for c in columns)
     return f"MERGE INTO {target} t USING {source_view} s ON true WHEN MATCHED THEN UPDATE SET {assignments}"
+
+
+def call_procedure(spark: Any, catalog: str, procedure: str, arguments: dict[str, str]) -> dict[str, Any]:
+    """``CALL catalog.system.procedure(name => value, ...)`` (values are SQL literals): its one result
+    row as a dict."""
+    text = ", ".join(f"{name} => {value}" for name, value in arguments.items())
+    rows = spark.sql(f"CALL {spark_identifier(catalog)}.system.{procedure}({text})").collect()
+    return rows[0].asDict() if rows else {}
+
+
+def delete_keys_statement(target: str, source_view: str, key: list[str]) -> str:
+    """Delete every row of ``target`` whose key is in ``source_view``: a MERGE with only a MATCHED
+    clause, which Spark plans as an inner join and so can broadcast the batch's keys rather than
+    shuffle the target."""
+    keys = ", ".join(spark_identifier(k) for k in key)
+    on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
+    return f"MERGE INTO {target} t USING (SELECT {keys} FROM {source_view}) s ON {on} WHEN MATCHED THEN DELETE"
+
+
+def insert_upserts_statement(target: str, source_view: str, columns: list[str]) -> str:
+    """Append the upserted rows of ``source_view`` (``columns`` in the table's order)."""
+    values = ", ".join(spark_identifier(c) for c in columns)
+    return f"INSERT INTO {target} SELECT {values} FROM {source_view} WHERE {OP_COLUMN} = 'U'"
