@@ -71,11 +71,12 @@ def test_quoted_table_name_and_overrides() -> None:
 
 def test_table_properties_are_laid_over_the_defaults() -> None:
     """Setting one table property keeps the others' defaults (format version 2, small dictionary pages,
-    old metadata files deleted at commit)."""
+    old metadata files deleted at commit, position deletes scoped to partitions)."""
     defaults = {
         "format-version": "2",
         "write.parquet.dict-size-bytes": "65536",
         "write.metadata.delete-after-commit.enabled": "true",
+        "write.delete.granularity": "partition",
     }
     assert parse_config(copy.deepcopy(MINIMAL)).iceberg.table_properties == defaults
     config = parse_config(config_with(iceberg={"table_properties": {"write.parquet.compression-codec": "snappy"}}))
