@@ -141,11 +141,7 @@ def start_embedded(root: Path, port: int, rows: int) -> tuple[EmbeddedPostgres, 
 # The Dagster instance (dagster.yaml) of the quickstart, also what bench/freshness.py measures with: no
 # onboarding pop-up over a local demo; sensors tick in parallel threads (a flusher tick lasts up to 20 s
 # and would otherwise hold back the merge automation: 22 s between a merge run and the next instead of
-# 5); queued runs are launched within a second instead of five; one automated merge run at a time
-# (the tag is sensors.automation.MERGE_RUN_TAGS): with many tables lagging, each tick launches a run
-# for those no run holds yet, and on 2 cores such runs started together and each paid its process
-# start while the others ran (bench/tables.py --modes dagster); queued, they hold their tables and
-# wait.
+# 5); queued runs are launched within a second instead of five.
 DAGSTER_INSTANCE_YAML = """\
 nux:
   enabled: false
@@ -159,10 +155,6 @@ run_coordinator:
   class: QueuedRunCoordinator
   config:
     dequeue_interval_seconds: 1
-    tag_concurrency_limits:
-      - key: pg2iceberg/run
-        value: merge
-        limit: 1
 """
 
 

@@ -15,23 +15,14 @@ from pg2iceberg_dagster.config import TableConfig
 
 MERGE_AUTOMATION = "pg2iceberg_merge_automation"
 SNAPSHOT_AUTOMATION = "pg2iceberg_snapshot_automation"
-# The tag every automated merge run carries: an instance's run queue can cap how many run at once
-# (``tag_concurrency_limits``, see pg2iceberg_dagster.quickstart.DAGSTER_INSTANCE_YAML).
-RUN_KIND_TAG = "pg2iceberg/run"
-MERGE_RUN_TAGS = {RUN_KIND_TAG: "merge"}
 
 
 def _automation_sensor(
-    name: str,
-    translator: Pg2IcebergTranslator,
-    key: Callable[[TableConfig], AssetKey],
-    interval: int,
-    run_tags: dict[str, str] | None = None,
+    name: str, translator: Pg2IcebergTranslator, key: Callable[[TableConfig], AssetKey], interval: int
 ) -> AutomationConditionSensorDefinition:
     return AutomationConditionSensorDefinition(
         name,
         target=AssetSelection.assets(*[key(table) for table in translator.config.tables]),
-        run_tags=run_tags,
         default_status=DefaultSensorStatus.RUNNING,
         use_user_code_server=True,  # the lag condition reads the coordination tables
         minimum_interval_seconds=interval,
@@ -40,9 +31,8 @@ def _automation_sensor(
 
 def merge_automation_sensor(translator: Pg2IcebergTranslator) -> AutomationConditionSensorDefinition:
     """Launches merges of lagging live tables: every 5 s rather than Dagster's 30 s default, since a
-    merge run waits for the next evaluation (the lag of every table is read once per tick). Its runs
-    carry :data:`MERGE_RUN_TAGS`."""
-    return _automation_sensor(MERGE_AUTOMATION, translator, translator.iceberg_key, 5, MERGE_RUN_TAGS)
+    merge run waits for the next evaluation (the lag of every table is read once per tick)."""
+    return _automation_sensor(MERGE_AUTOMATION, translator, translator.iceberg_key, 5)
 
 
 def snapshot_automation_sensor(translator: Pg2IcebergTranslator) -> AutomationConditionSensorDefinition:
