@@ -18,6 +18,11 @@ def spark_string(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def _keys_match(key: list[str]) -> str:
+    """The join condition of target ``t`` and source ``s`` on the primary key."""
+    return " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
+
+
 def merge_statement(
     target: str, source_view: str, columns: list[str], key: list[str], keep_unchanged: bool = True
 ) -> str:
@@ -26,7 +31,7 @@ def merge_statement(
     ``keep_unchanged=False`` gives the plain statement (every column from the source), for a source
     without unchanged columns.
     """
-    on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
+    on = _keys_match(key)
     assignments = ", ".join(
         (
             f"t.{spark_identifier(c)} = CASE WHEN array_contains(s.{UNCHANGED_COLUMN}, {spark_string(c)}) "
@@ -67,7 +72,7 @@ def delete_keys_statement(target: str, source_view: str, key: list[str]) -> str:
     clause, which Spark plans as an inner join and so can broadcast the batch's keys rather than
     shuffle the target."""
     keys = ", ".join(spark_identifier(k) for k in key)
-    on = " AND ".join(f"t.{spark_identifier(k)} = s.{spark_identifier(k)}" for k in key)
+    on = _keys_match(key)
     return f"MERGE INTO {target} t USING (SELECT {keys} FROM {source_view}) s ON {on} WHEN MATCHED THEN DELETE"
 
 
