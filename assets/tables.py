@@ -2,6 +2,7 @@
 CTID-chunk partitioned snapshot, and the live Iceberg table merged by Spark, with its checks."""
 
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from dagster import (
@@ -216,12 +217,12 @@ def _live_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
     ]
 
 
-def _merge_one(
-    translator: Pg2IcebergTranslator, pipeline: Pipeline, table: TableConfig, rounds: int, log: Any
+def _report_merge(
+    translator: Pg2IcebergTranslator, pipeline: Pipeline, table: TableConfig, result: MergeResult, log: Any
 ) -> Iterator[MaterializeResult | AssetCheckResult]:
-    """Merge one table (``rounds`` times up to its head) and report it: its materialization, then its checks."""
+    """Report one table's merge: its materialization and its files check (the data checks follow
+    once every selected table has merged, see :meth:`Pipeline.check_tables`)."""
     key = translator.iceberg_key(table)
-    result = pipeline.merge_table(table.key, rounds=rounds)
     if result.waiting_for_snapshot:
         raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
     log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag.changes)
@@ -233,14 +234,13 @@ def _merge_one(
     # Plotted per merge: how files and snapshots grow between maintenance passes.
     metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
     yield MaterializeResult(asset_key=key, metadata=metadata)
-    yield from table_check_results(pipeline.check_table(table.key), key)
     yield files_check_result(health, pipeline.config.maintenance, key)
 
 
 def live_tables_asset(translator: Pg2IcebergTranslator, ready: TablesToMerge) -> AssetsDefinition:
     """Every live Iceberg table in one multi-asset that can subset: the lagging tables requested in one
-    automation tick merge in one run, one after the other on one Spark session (one JVM start for
-    them all, not one per table)."""
+    automation tick merge in one run on one Spark session (one JVM start for them all, not one per
+    table), several at once (``materialize.parallelism``); each is reported as its merge ends."""
     tables = translator.config.tables
     keys = {translator.iceberg_key(table): table for table in tables}
 
@@ -261,18 +261,36 @@ def live_tables_asset(translator: Pg2IcebergTranslator, ready: TablesToMerge) ->
         rounds = 2 if len(selected) == 1 else 1
         with pg2iceberg.pipeline(spark_factory=spark.get_session) as pipeline:
             by_key = {table.key: table for table in selected}
-            for table in [by_key[key] for key in pipeline.merge_order(list(by_key))]:
+            merged: list[str] = []
+            for table_key, outcome in pipeline.merge_tables(list(by_key), rounds):
                 try:
-                    for event in _merge_one(translator, pipeline, table, rounds, context.log):
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    for event in _report_merge(translator, pipeline, by_key[table_key], outcome, context.log):
                         if isinstance(event, MaterializeResult) or _check_key(event) in checks:
                             yield event
+                    merged.append(table_key)
                 except Exception as exc:  # reported below; the other tables still merge
-                    context.log.exception("merge of %s failed", table.key)
-                    failed.append(f"{table.key}: {exc}")
+                    context.log.exception("merge of %s failed", table_key)
+                    failed.append(f"{table_key}: {exc}")
+            data_checks = [key for key in merged if _data_checks_selected(translator.iceberg_key(by_key[key]), checks)]
+            for table_key, report in pipeline.check_tables(data_checks):
+                if isinstance(report, Exception):
+                    context.log.error("checks of %s failed: %s", table_key, report)
+                    failed.append(f"{table_key}: checks: {report}")
+                    continue
+                for event in table_check_results(report, translator.iceberg_key(by_key[table_key])):
+                    if _check_key(event) in checks:
+                        yield event
         if failed:
             raise Failure(f"{len(failed)} of {len(selected)} merges failed: " + "; ".join(failed))
 
     return _merge
+
+
+def _data_checks_selected(key: AssetKey, checks: AbstractSet[AssetCheckKey]) -> bool:
+    """Whether the run selected any of the table's checks that read its data (not the files check)."""
+    return any(AssetCheckKey(key, name) in checks for name in (PK_UNIQUE, MATCHES_SOURCE, SCHEMA_MATCHES))
 
 
 def _check_key(result: AssetCheckResult) -> AssetCheckKey:

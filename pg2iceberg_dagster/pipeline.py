@@ -10,13 +10,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.table import Table
 
 from .checks import ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
 from .cleanup import remove_tables
@@ -33,8 +33,8 @@ from .metrics import PipelineMetrics, serve_metrics_once
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
-from .source.catalog import modification_count
-from .source.connection import connect
+from .source.catalog import SourceTable, TypeResolver, describe_table, modification_count
+from .source.connection import KeptConnection, connect
 from .source.lsn import format_lsn
 from .source.selection import resolve_tables
 from .validation import StartupReport, check_startup, slot_info
@@ -152,14 +152,14 @@ class Pipeline:
         self._catalog: Catalog | None = None
         self._report: StartupReport | None = None
         self._spark: Any = None
-        self._source: psycopg.Connection | None = None
+        # Kept for the pipeline's life: its merges read the catalog of every idle table each time.
+        self.source_connection = KeptConnection(self.config.source)
         # What ``run`` observes (merge durations); served by the caller, or by nobody.
         self.metrics = metrics if metrics is not None else PipelineMetrics(self.config)
 
     def close(self) -> None:
         self.store.close()
-        if self._source is not None:
-            self._source.close()
+        self.source_connection.close()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -233,13 +233,6 @@ class Pipeline:
             finally:
                 flusher.close()
 
-    def source_connection(self) -> psycopg.Connection:
-        """A connection to the source kept for this pipeline's life (reopened once closed or broken):
-        its merges read the catalog of every idle table each time."""
-        if self._source is None or self._source.closed or self._source.broken:
-            self._source = connect(self.config.source)
-        return self._source
-
     def materializer(self) -> Materializer:
         return Materializer(self.config, self.store, self.catalog, self.spark, source=self.source_connection)
 
@@ -252,10 +245,12 @@ class Pipeline:
         """``table_keys`` in the order a pass merges them: the oldest unmerged change first."""
         return self.materializer().oldest_change_first(table_keys)
 
-    def merge_table(self, table_key: str, rounds: int = 1) -> MergeResult:
-        """Merge one table's staged log up to its head, ``rounds`` times (see Materializer)."""
+    def merge_tables(self, table_keys: list[str], rounds: int = 1) -> Iterator[tuple[str, MergeResult | Exception]]:
+        """Merge the tables' staged logs up to their heads, ``rounds`` times, several at once, the oldest
+        unmerged change first; yields each table's result (or error) as it ends (see Materializer)."""
         self.validate()
-        return self.materializer().materialize_table(table_key, rounds=rounds)
+        materializer = self.materializer()
+        return materializer.merge_tables(materializer.oldest_change_first(table_keys), rounds)
 
     def file_health(self, table_key: str) -> TableHealth:
         """The table's data and delete files, small files and snapshots (see maintenance.health)."""
@@ -353,26 +348,45 @@ class Pipeline:
             snapshot_id=snapshot.snapshot_id if snapshot else None,
         )
 
-    def check_table(self, table_key: str) -> TableCheckReport:
-        """One row per primary key; the schema follows the source; the rows equal the source's when
-        nothing is left to merge (compared at one consistent point of the source)."""
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
-        duplicates, examples = duplicate_keys(table)
-        source = self.validate(refresh=True).tables[table_key]
-        problems = schema_mismatches(source, table)
-        lag = self.lag(table_key)
-        content = ContentCheck(lag.changes) if lag.changes > 0 else self._compare_with_source(table_key, source.oid)
-        return TableCheckReport(duplicates, examples, problems, content)
-
-    def _compare_with_source(self, table_key: str, oid: int) -> ContentCheck:
-        """Compare the table with the source, noting whether the source was written meanwhile."""
+    def check_tables(self, table_keys: list[str]) -> Iterator[tuple[str, TableCheckReport | Exception]]:
+        """Per table, as each is done (or the error that stopped its checks): one row per primary key;
+        the schema follows the source's columns as they are now; the rows equal the source's when
+        nothing is left to merge, compared at one consistent point of the source. Whether the source
+        was written meanwhile is read from its statistics, which trail commits: the tables compared
+        share one wait for them, not one each."""
+        compared: list[tuple[str, tuple[int, list[tuple]], list[str], int, int, TableDiff]] = []
+        first_compared: float | None = None
         with connect(self.config.source) as stats_conn:
-            writes_before = modification_count(stats_conn, oid)
-            started = time.monotonic()
-            (diff,) = self.verify([table_key], refresh=False)  # the caller just refreshed the columns
-            time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - started)))
-            written = modification_count(stats_conn, oid) != writes_before
-        return ContentCheck(0, diff, written)
+            for key in table_keys:
+                try:
+                    table = self.catalog.load_table(table_identifier(self.config, key))
+                    duplicates = duplicate_keys(table)
+                    conn = self.source_connection()
+                    source = describe_table(conn, self.config.table(key), TypeResolver(conn))
+                    problems = schema_mismatches(source, table)
+                    lag = self.lag(key)
+                    if lag.changes > 0:
+                        yield key, TableCheckReport(*duplicates, problems, ContentCheck(lag.changes))
+                        continue
+                    writes_before = modification_count(stats_conn, source.oid)
+                    first_compared = first_compared or time.monotonic()
+                    diff = self._compare(source, table)
+                    compared.append((key, duplicates, problems, source.oid, writes_before, diff))
+                except Exception as exc:  # this table's checks; the others still run
+                    yield key, exc
+            if first_compared is not None:
+                time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - first_compared)))
+            for key, duplicates, problems, oid, writes_before, diff in compared:
+                written = modification_count(stats_conn, oid) != writes_before
+                yield key, TableCheckReport(*duplicates, problems, ContentCheck(0, diff, written))
+
+    def _compare(self, source: SourceTable, table: Table) -> TableDiff:
+        """One table against the source, read in a REPEATABLE READ transaction of its own."""
+        with connect(self.config.source, autocommit=False) as conn:
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            diff = compare_table(conn, source, table, self.config.values.out_of_range)
+            conn.rollback()
+        return diff
 
     def run(self, stop: threading.Event, interval: float | None = None) -> None:
         """Everything in one process: snapshot, then stream in a thread while merging.

@@ -86,6 +86,8 @@ def spark_catalog_conf(config: PipelineConfig) -> dict[str, str]:
                 "uri": f"jdbc:postgresql://{pg.host}:{pg.port}/{pg.dbname}",
                 "jdbc.user": pg.user,
                 "jdbc.schema-version": "V1",
+                # A JDBC connection per concurrent merge (Iceberg's default pool holds 2).
+                "clients": str(max(2, config.materialize.parallelism)),
             }
         )
         password = pg.resolved_password()

@@ -27,7 +27,7 @@ from pyiceberg.table import Table
 
 from ..config import PipelineConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_lease_within
-from ..coordination.store import Lag, LogEntry, SnapshotEpoch
+from ..coordination.store import CoordinationStore, Lag, LogEntry, SnapshotEpoch
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, table_identifier
@@ -45,7 +45,7 @@ from ..iceberg.evolution import (
 from ..iceberg.layout import apply_layout
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceColumn, TypeResolver, describe_table, file_node
-from ..source.connection import connect
+from ..source.connection import KeptConnection, connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
@@ -54,6 +54,7 @@ from ..staging.store import ObjectStore, merge_batch_prefix
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .fold import fold
+from .lanes import on_lanes
 from .spark_sql import (
     UNCHANGED_COLUMN,
     call_procedure,
@@ -154,6 +155,16 @@ class _Described:
     signature: str
 
 
+@dataclass
+class _Seen:
+    """What a process found about its tables and need not look at again (shared by its lanes)."""
+
+    fills_checked: set[str] = field(default_factory=set)
+    unpartitioned: set[str] = field(default_factory=set)
+    leaves: dict[str, dict[int, int]] = field(default_factory=dict)  # leaves found equal to Iceberg's record
+    columns: dict[str, str] = field(default_factory=dict)  # column signatures the Iceberg schema follows
+
+
 class Materializer:
     """Merges each table's staged log into its Iceberg table through Spark."""
 
@@ -175,17 +186,18 @@ class Materializer:
         self.object_store = ObjectStore(config.staging)
         self._spark_factory = spark_factory
         self._spark: Any = None
+        self._spark_lock = threading.Lock()  # lanes ask for the one session at once
         self.worker_id = worker_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.group = config.materialize.group
-        self._fills_checked: set[str] = set()
-        self._unpartitioned: set[str] = set()
-        self._leaves_seen: dict[str, dict[int, int]] = {}  # leaves found equal to Iceberg's record
-        self._columns_seen: dict[str, str] = {}  # column signatures the Iceberg schema was found to follow
+        self._seen = _Seen()
+        self._lanes_opened = 0
+        self._owned: list[CoordinationStore | KeptConnection] = []  # a lane's own connections
 
     @property
     def spark(self) -> Any:
-        if self._spark is None:
-            self._spark = self._spark_factory()
+        with self._spark_lock:
+            if self._spark is None:
+                self._spark = self._spark_factory()
         return self._spark
 
     def materialize_table(self, table_key: str, max_batches: int | None = None, rounds: int = 1) -> MergeResult:
@@ -245,14 +257,14 @@ class Materializer:
         came from (see source.partitions); None when they do not, or the table is not partitioned
         (its Iceberg table records no leaves: then the source is never asked). Leaves this process
         found equal to the record are not compared again (no catalog read)."""
-        if table_key in self._unpartitioned:
+        if table_key in self._seen.unpartitioned:
             return None
         identifier = table_identifier(self.config, table_key)
         recorded = None
-        if table_key not in self._leaves_seen:
+        if table_key not in self._seen.leaves:
             recorded = recorded_leaves(self.catalog.load_table(identifier))
             if recorded is None:
-                self._unpartitioned.add(table_key)
+                self._seen.unpartitioned.add(table_key)
                 return None
         table = self.config.table(table_key)
         with self._source() as conn:
@@ -260,13 +272,13 @@ class Materializer:
             if oid is None:
                 return None  # dropped, or recreated unpartitioned: the startup checks refuse it
             current = leaves(conn, oid)
-            if self._leaves_seen.get(table_key) == leaf_files(current):
+            if self._seen.leaves.get(table_key) == leaf_files(current):
                 return None
             if recorded is None:
                 recorded = recorded_leaves(self.catalog.load_table(identifier)) or {}
             change = leaf_change(conn, current, recorded)
         if change.reason is None and change.now == recorded:
-            self._leaves_seen[table_key] = change.now
+            self._seen.leaves[table_key] = change.now
             return None
         return change
 
@@ -284,13 +296,13 @@ class Materializer:
                 return None
             row = conn.execute(_COLUMNS_SIGNATURE, (config.schema_name, config.table_name)).fetchone()
             signature = row[0] if row else None
-            if signature is None or self._columns_seen.get(table_key) == signature:
+            if signature is None or self._seen.columns.get(table_key) == signature:
                 return None
             source = describe_table(conn, config, TypeResolver(conn))
             described = _Described(source.columns, file_node(conn, source.oid), signature)
         iceberg = self.catalog.load_table(table_identifier(self.config, table_key))
         if not schema_follows_source(iceberg, source.columns):
-            self._columns_seen[table_key] = signature
+            self._seen.columns[table_key] = signature
             return None
         return described
 
@@ -310,7 +322,7 @@ class Materializer:
         returns the table when that left defaults to fill."""
         table = self.catalog.load_table(table_identifier(self.config, table_key))
         result.schema_changes += tuple(evolve_schema(table, table_key, described.columns, described.file_node))
-        self._columns_seen[table_key] = described.signature
+        self._seen.columns[table_key] = described.signature
         table = self.catalog.load_table(table_identifier(self.config, table_key))
         return table if pending_fills(table) else None
 
@@ -327,7 +339,7 @@ class Materializer:
                 transaction.set_properties({SOURCE_LEAVES: leaves_property(change.now)})
 
         commit_with_retry(record)
-        self._leaves_seen[table_key] = change.now
+        self._seen.leaves[table_key] = change.now
 
     def _apply_rounds(self, table_key: str, rounds: int, max_batches: int | None, result: MergeResult) -> None:
         """Apply batches up to the head, ``rounds`` times (see :meth:`materialize_table`)."""
@@ -346,9 +358,9 @@ class Materializer:
     def _table_with_fills_left(self, table_key: str) -> Table | None:
         """The Iceberg table when a snapshot left defaults of added columns to fill, the first time
         this process asks for ``table_key``; else None."""
-        if table_key in self._fills_checked:
+        if table_key in self._seen.fills_checked:
             return None
-        self._fills_checked.add(table_key)
+        self._seen.fills_checked.add(table_key)
         table = self.catalog.load_table(table_identifier(self.config, table_key))
         return table if pending_fills(table) else None
 
@@ -575,9 +587,62 @@ class Materializer:
             clear_pending_fills(self.catalog.load_table(identifier), [fill.field_id for fill in fills])
 
     def run_once(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
-        """Bring every (or the given) table up to its current head, the oldest unmerged change first."""
+        """Bring every (or the given) table up to its current head, the oldest unmerged change first;
+        a table's failure is raised once the others have merged."""
         keys = self.oldest_change_first(table_keys or [t.key for t in self.config.tables])
-        return {key: self.materialize_table(key) for key in keys}
+        results: dict[str, MergeResult] = {}
+        errors: list[Exception] = []
+        for key, outcome in self.merge_tables(keys):
+            if isinstance(outcome, Exception):
+                errors.append(outcome)
+            else:
+                results[key] = outcome
+        if errors:
+            raise errors[0]
+        return {key: results[key] for key in keys}
+
+    def merge_tables(self, table_keys: list[str], rounds: int = 1) -> Iterator[tuple[str, MergeResult | Exception]]:
+        """Merge each table (see :meth:`materialize_table`), up to ``materialize.parallelism`` at once
+        on the one Spark session, started in the given order; yields each table with its result, or
+        the error its merge raised, as it ends. Each concurrent merge runs on a lane: a materializer
+        with connections of its own (to the state database and the source) and this one's Spark."""
+        count = min(self.config.materialize.parallelism, len(table_keys))
+        if count <= 1:
+            for key in table_keys:
+                try:
+                    yield key, self.materialize_table(key, rounds=rounds)
+                except Exception as exc:  # reported to the caller, like a lane's
+                    yield key, exc
+            return
+        yield from on_lanes(
+            table_keys,
+            count,
+            self._open_lane,
+            Materializer._close_lane,
+            lambda lane, key: lane.materialize_table(key, rounds=rounds),
+        )
+
+    def _open_lane(self) -> Materializer:
+        """A materializer for one worker thread: this one's catalog, Spark and findings, its own connections."""
+        self._lanes_opened += 1
+        store = CoordinationStore(self.config.state_connection)
+        source = KeptConnection(self.config.source)
+        lane = Materializer(
+            self.config,
+            store,
+            self.catalog,
+            lambda: self.spark,
+            worker_id=f"{self.worker_id}/lane{self._lanes_opened}",
+            source=source,
+        )
+        lane._seen = self._seen
+        lane._owned = [store, source]
+        return lane
+
+    def _close_lane(self) -> None:
+        """Close the connections :meth:`_open_lane` opened for this lane."""
+        for owned in self._owned:
+            owned.close()
 
     def oldest_change_first(self, table_keys: list[str]) -> list[str]:
         """``table_keys`` ordered by the age of their oldest unmerged staged change, oldest first (one

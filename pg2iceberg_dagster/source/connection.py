@@ -26,3 +26,21 @@ def connect(target: PostgresConnection, *, autocommit: bool = True, replication:
         raise Pg2IcebergError(
             f"cannot connect to {target.describe()}{' (replication)' if replication else ''}: {reason}"
         ) from None
+
+
+class KeptConnection:
+    """One connection kept for many short uses, reopened when it was closed or broke."""
+
+    def __init__(self, target: PostgresConnection) -> None:
+        self.target = target
+        self._conn: psycopg.Connection | None = None
+
+    def __call__(self) -> psycopg.Connection:
+        """The kept connection (opened on first use, or again after it closed or broke)."""
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = connect(self.target)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
