@@ -6,6 +6,7 @@ the engine but ``config``, ``errors`` and ``quickstart``."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
+from .materializer.lanes import on_lanes
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
@@ -131,6 +133,28 @@ def _nothing_after(store: CoordinationStore) -> str:
     """What a failed flush left behind, for its error message."""
     flushed = store.flushed_lsn()
     return f"Nothing after flushed_lsn {format_lsn(flushed) if flushed else '-'} was registered or acknowledged"
+
+
+@dataclass
+class _CheckLane:
+    """The connections one thread of :meth:`Pipeline.check_tables` works on."""
+
+    source: KeptConnection
+    store: CoordinationStore
+
+    def close(self) -> None:
+        self.source.close()
+        self.store.close()
+
+
+@dataclass(frozen=True)
+class _Compared:
+    """A table compared with the source; whether the source was written meanwhile is read later."""
+
+    report: TableCheckReport
+    oid: int
+    writes_before: int
+    started: float
 
 
 class Pipeline:
@@ -351,34 +375,45 @@ class Pipeline:
     def check_tables(self, table_keys: list[str]) -> Iterator[tuple[str, TableCheckReport | Exception]]:
         """Per table, as each is done (or the error that stopped its checks): one row per primary key;
         the schema follows the source's columns as they are now; the rows equal the source's when
-        nothing is left to merge, compared at one consistent point of the source. Whether the source
-        was written meanwhile is read from its statistics, which trail commits: the tables compared
-        share one wait for them, not one each."""
-        compared: list[tuple[str, tuple[int, list[tuple]], list[str], int, int, TableDiff]] = []
-        first_compared: float | None = None
-        with connect(self.config.source) as stats_conn:
-            for key in table_keys:
-                try:
-                    table = self.catalog.load_table(table_identifier(self.config, key))
-                    duplicates = duplicate_keys(table)
-                    conn = self.source_connection()
-                    source = describe_table(conn, self.config.table(key), TypeResolver(conn))
-                    problems = schema_mismatches(source, table)
-                    lag = self.lag(key)
-                    if lag.changes > 0:
-                        yield key, TableCheckReport(*duplicates, problems, ContentCheck(lag.changes))
-                        continue
-                    writes_before = modification_count(stats_conn, source.oid)
-                    first_compared = first_compared or time.monotonic()
-                    diff = self._compare(source, table)
-                    compared.append((key, duplicates, problems, source.oid, writes_before, diff))
-                except Exception as exc:  # this table's checks; the others still run
-                    yield key, exc
-            if first_compared is not None:
-                time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - first_compared)))
-            for key, duplicates, problems, oid, writes_before, diff in compared:
-                written = modification_count(stats_conn, oid) != writes_before
-                yield key, TableCheckReport(*duplicates, problems, ContentCheck(0, diff, written))
+        nothing is left to merge, compared at one consistent point of the source. Tables are checked
+        ``materialize.parallelism`` at a time. Whether the source was written during a comparison is
+        read from its statistics, which trail commits: the tables compared share one wait for them."""
+        compared: list[tuple[str, _Compared]] = []
+        count = max(1, min(self.config.materialize.parallelism, len(table_keys)))
+        for key, outcome in on_lanes(table_keys, count, self._open_check_lane, _CheckLane.close, self._check_table):
+            if isinstance(outcome, _Compared):
+                compared.append((key, outcome))
+            else:
+                yield key, outcome
+        if not compared:
+            return
+        last_started = max(table.started for _, table in compared)
+        time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - last_started)))
+        conn = self.source_connection()
+        for key, table in compared:
+            written = modification_count(conn, table.oid) != table.writes_before
+            content = ContentCheck(0, table.report.content.diff, written)
+            yield key, dataclasses.replace(table.report, content=content)
+
+    def _open_check_lane(self) -> _CheckLane:
+        return _CheckLane(KeptConnection(self.config.source), CoordinationStore(self.config.state_connection))
+
+    def _check_table(self, lane: _CheckLane, table_key: str) -> TableCheckReport | _Compared:
+        """One table's checks (see :meth:`check_tables`); a comparison still waits for the statistics."""
+        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        duplicates = duplicate_keys(table)
+        conn = lane.source()
+        source = describe_table(conn, self.config.table(table_key), TypeResolver(conn))
+        problems = schema_mismatches(source, table)
+        lag = lane.store.lag(self.config.materialize.group, table_key)
+        if lag.changes > 0:
+            return TableCheckReport(*duplicates, problems, ContentCheck(lag.changes))
+        writes_before = modification_count(conn, source.oid)
+        started = time.monotonic()
+        diff = self._compare(source, table)
+        return _Compared(
+            TableCheckReport(*duplicates, problems, ContentCheck(0, diff)), source.oid, writes_before, started
+        )
 
     def _compare(self, source: SourceTable, table: Table) -> TableDiff:
         """One table against the source, read in a REPEATABLE READ transaction of its own."""

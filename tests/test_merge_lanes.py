@@ -6,6 +6,7 @@ source row by row, and a table whose merge fails must not keep the others from m
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 
 from pg2iceberg_dagster.errors import ResyncRequiredError
@@ -49,3 +50,28 @@ def test_tables_merged_at_once_equal_the_source_and_a_refused_one_holds_back_no_
     diffs = pipeline.verify(others)
     assert all(d.ok for d in diffs), [d for d in diffs if not d.ok]
     assert all(pipeline.lag(name).changes == 0 for name in others)
+
+
+def test_checks_of_several_tables_at_once_report_each_table_its_own(source: SourceDb) -> None:
+    """``check_tables`` checks tables on several threads: each report must be its own table's."""
+    tables = TABLES[:4]
+    for i, name in enumerate(tables):
+        source.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, {100 * (i + 1)}) g")
+    pipeline = source.pipeline(source.config(tables, materialize={"parallelism": 4}))
+    pipeline.snapshot()
+    source.execute(f"INSERT INTO {tables[3]} VALUES (100000, 'staged, not merged')")
+    pipeline.stream(until_caught_up=True)
+    duplicated = pipeline.catalog.load_table(f"{source.name}_{tables[1]}")
+    duplicated.append(pa.Table.from_pylist([{"id": 7, "v": "dup"}], schema=duplicated.schema().as_arrow()))
+
+    reports = dict(pipeline.check_tables(tables))
+    assert sorted(reports) == sorted(tables)
+    assert not any(isinstance(report, Exception) for report in reports.values()), reports
+    clean, dup, clean_too, lagging = (reports[name] for name in tables)
+    for report, rows in ((clean, 100), (clean_too, 300)):
+        assert report.duplicate_keys == 0 and not report.schema_problems
+        assert report.content.diff is not None and report.content.diff.ok and report.content.diff.pg_rows == rows
+    assert dup.duplicate_keys == 1 and dup.duplicate_examples == [(7,)]
+    assert dup.content.diff is not None and not dup.content.diff.ok
+    assert lagging.content.lag == 1 and lagging.content.diff is None
