@@ -50,7 +50,7 @@ def on_lanes(
     every started item has ended and every lane is closed (also when the caller stops early: items not
     started yet are then dropped)."""
     lanes = _LanePerThread(open_lane)
-    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="merge-lane") as pool:
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="lane") as pool:
         pending: dict[Future[Result], Item] = {pool.submit(lambda i=item: work(lanes(), i)): item for item in items}
         try:
             while pending:

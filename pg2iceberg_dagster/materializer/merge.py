@@ -9,6 +9,7 @@ a newer change.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -190,7 +191,7 @@ class Materializer:
         self.worker_id = worker_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.group = config.materialize.group
         self._seen = _Seen()
-        self._lanes_opened = 0
+        self._lane_numbers = itertools.count(1)  # next() is atomic: lanes open on their own threads
         self._owned: list[CoordinationStore | KeptConnection] = []  # a lane's own connections
 
     @property
@@ -624,7 +625,6 @@ class Materializer:
 
     def _open_lane(self) -> Materializer:
         """A materializer for one worker thread: this one's catalog, Spark and findings, its own connections."""
-        self._lanes_opened += 1
         store = CoordinationStore(self.config.state_connection)
         source = KeptConnection(self.config.source)
         lane = Materializer(
@@ -632,7 +632,7 @@ class Materializer:
             store,
             self.catalog,
             lambda: self.spark,
-            worker_id=f"{self.worker_id}/lane{self._lanes_opened}",
+            worker_id=f"{self.worker_id}/lane{next(self._lane_numbers)}",
             source=source,
         )
         lane._seen = self._seen
