@@ -161,10 +161,11 @@ def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetChe
         asset_key=key,
         check_name=MATCHES_SOURCE,
         passed=diff.ok,
-        severity=AssetCheckSeverity.WARN if content.source_written_during_check else AssetCheckSeverity.ERROR,
+        severity=AssetCheckSeverity.ERROR if content.conclusive else AssetCheckSeverity.WARN,
         metadata={
             "compared": True,
             "source_written_during_check": content.source_written_during_check,
+            "changes_in_flight": content.changes_in_flight,
             "pg_rows": diff.pg_rows,
             "iceberg_rows": diff.iceberg_rows,
             "only_in_pg": diff.only_in_pg,

@@ -21,6 +21,14 @@ class ContentCheck:
     diff: TableDiff | None = None  # None when not compared
     # The source was written while it was compared: a difference is not at a consistent point.
     source_written_during_check: bool = False
+    # Changes committed before the comparison may not have been merged yet (the flusher had not
+    # staged past them, or staged some since): a difference may be the mirror's ordinary delay.
+    changes_in_flight: bool = False
+
+    @property
+    def conclusive(self) -> bool:
+        """Whether a difference found is one the mirror should not have (else it may be in flight)."""
+        return not (self.source_written_during_check or self.changes_in_flight)
 
 
 @dataclass(frozen=True)

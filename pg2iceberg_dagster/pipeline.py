@@ -37,7 +37,7 @@ from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.catalog import SourceTable, TypeResolver, describe_table, modification_count
 from .source.connection import KeptConnection, connect
-from .source.lsn import format_lsn
+from .source.lsn import current_wal_lsn, format_lsn
 from .source.selection import resolve_tables
 from .validation import StartupReport, check_startup, slot_info
 from .verify import TableDiff, compare_table
@@ -67,6 +67,9 @@ log = logging.getLogger("pg2iceberg_dagster")
 
 # Statistics trail commits by up to a second: a content check looks at them again after this.
 STATS_DELAY_SECONDS = 1.5
+# A content check that found a difference waits this long at most for the flusher to stage past the
+# comparison, to tell a change still in flight from a difference the mirror should not have.
+IN_FLIGHT_WAIT_SECONDS = 10.0
 # How often ``run`` looks for tables due for maintenance (a query, and one metadata read per merged table).
 UPKEEP_CHECK_SECONDS = 30.0
 
@@ -152,8 +155,10 @@ class _Compared:
     """A table compared with the source; whether the source was written meanwhile is read later."""
 
     report: TableCheckReport
+    diff: TableDiff
     oid: int
     writes_before: int
+    wal: int  # the source's WAL position as the comparison started
     started: float
 
 
@@ -389,11 +394,25 @@ class Pipeline:
             return
         last_started = max(table.started for _, table in compared)
         time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - last_started)))
+        flushed = self._flushed_past(max((t.wal for _, t in compared if not t.diff.ok), default=None))
         conn = self.source_connection()
         for key, table in compared:
             written = modification_count(conn, table.oid) != table.writes_before
-            content = ContentCheck(0, table.report.content.diff, written)
+            # A change committed before the comparison but not merged: not staged yet when it was
+            # compared (the flusher had not passed it), or staged since (the table lags again).
+            in_flight = not table.diff.ok and (flushed < table.wal or self.lag(key).changes > 0)
+            content = ContentCheck(0, table.diff, written, in_flight)
             yield key, dataclasses.replace(table.report, content=content)
+
+    def _flushed_past(self, lsn: int | None) -> int:
+        """The flushed LSN, once it is at or past ``lsn`` or after :data:`IN_FLIGHT_WAIT_SECONDS`
+        (no wait when ``lsn`` is None)."""
+        deadline = time.monotonic() + IN_FLIGHT_WAIT_SECONDS
+        while True:
+            flushed = self.store.flushed_lsn() or 0
+            if lsn is None or flushed >= lsn or time.monotonic() >= deadline:
+                return flushed
+            time.sleep(0.5)
 
     def _open_check_lane(self) -> _CheckLane:
         return _CheckLane(KeptConnection(self.config.source), CoordinationStore(self.config.state_connection))
@@ -409,11 +428,11 @@ class Pipeline:
         if lag.changes > 0:
             return TableCheckReport(*duplicates, problems, ContentCheck(lag.changes))
         writes_before = modification_count(conn, source.oid)
+        wal = current_wal_lsn(conn)  # every transaction the comparison can see ends before it
         started = time.monotonic()
         diff = self._compare(source, table)
-        return _Compared(
-            TableCheckReport(*duplicates, problems, ContentCheck(0, diff)), source.oid, writes_before, started
-        )
+        report = TableCheckReport(*duplicates, problems, ContentCheck(0, diff))
+        return _Compared(report, diff, source.oid, writes_before, wal, started)
 
     def _compare(self, source: SourceTable, table: Table) -> TableDiff:
         """One table against the source, read in a REPEATABLE READ transaction of its own."""

@@ -6,6 +6,8 @@ source row by row, and a table whose merge fails must not keep the others from m
 
 from __future__ import annotations
 
+import threading
+
 import pyarrow as pa
 import pytest
 
@@ -75,3 +77,33 @@ def test_checks_of_several_tables_at_once_report_each_table_its_own(source: Sour
     assert dup.duplicate_keys == 1 and dup.duplicate_examples == [(7,)]
     assert dup.content.diff is not None and not dup.content.diff.ok
     assert lagging.content.lag == 1 and lagging.content.diff is None
+
+
+def test_a_difference_still_in_flight_is_inconclusive_and_one_no_change_explains_is_not(source: SourceDb) -> None:
+    """A change committed but not merged when its table is compared makes the difference
+    inconclusive (a warning in Dagster, not a failure): the flusher stages it while the check waits.
+    A row no change explains (only in Iceberg, nothing staged) stays a conclusive difference."""
+    tables = TABLES[:2]
+    for name in tables:
+        source.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, 50) g")
+    pipeline = source.pipeline(source.config(tables))
+    pipeline.snapshot()
+    source.execute(f"INSERT INTO {tables[0]} VALUES (1000, 'committed, not staged yet')")
+    stray = pipeline.catalog.load_table(f"{source.name}_{tables[1]}")
+    stray.append(pa.Table.from_pylist([{"id": 5000, "v": "stray"}], schema=stray.schema().as_arrow()))
+
+    # The flusher stages while the check waits for it (after both comparisons have started).
+    flusher = threading.Timer(3.0, lambda: pipeline.stream(until_caught_up=True))
+    flusher.start()
+    try:
+        reports = dict(pipeline.check_tables(tables))
+    finally:
+        flusher.join()
+    in_flight, stray_row = (reports[name] for name in tables)
+    assert not isinstance(in_flight, Exception) and not isinstance(stray_row, Exception)
+    assert in_flight.content.diff is not None and in_flight.content.diff.only_in_pg == 1
+    assert in_flight.content.changes_in_flight and not in_flight.content.conclusive
+    assert stray_row.content.diff is not None and stray_row.content.diff.only_in_iceberg == 1
+    assert not stray_row.content.changes_in_flight and stray_row.content.conclusive
+    assert pipeline.lag(tables[0]).changes == 1 and pipeline.lag(tables[1]).changes == 0
