@@ -158,7 +158,7 @@ class _Compared:
     diff: TableDiff
     oid: int
     writes_before: int
-    wal: int  # the source's WAL position as the comparison started
+    wal: int  # the source's WAL position as the comparison's snapshot was taken
     started: float
 
 
@@ -428,19 +428,20 @@ class Pipeline:
         if lag.changes > 0:
             return TableCheckReport(*duplicates, problems, ContentCheck(lag.changes))
         writes_before = modification_count(conn, source.oid)
-        wal = current_wal_lsn(conn)  # every transaction the comparison can see ends before it
         started = time.monotonic()
-        diff = self._compare(source, table)
+        diff, wal = self._compare(source, table)
         report = TableCheckReport(*duplicates, problems, ContentCheck(0, diff))
         return _Compared(report, diff, source.oid, writes_before, wal, started)
 
-    def _compare(self, source: SourceTable, table: Table) -> TableDiff:
-        """One table against the source, read in a REPEATABLE READ transaction of its own."""
+    def _compare(self, source: SourceTable, table: Table) -> tuple[TableDiff, int]:
+        """One table against the source, read in a REPEATABLE READ transaction of its own; and the
+        WAL position as its snapshot was taken (every transaction it sees committed before it)."""
         with connect(self.config.source, autocommit=False) as conn:
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            wal = current_wal_lsn(conn)  # the transaction's first query: its snapshot is taken here
             diff = compare_table(conn, source, table, self.config.values.out_of_range)
             conn.rollback()
-        return diff
+        return diff, wal
 
     def run(self, stop: threading.Event, interval: float | None = None) -> None:
         """Everything in one process: snapshot, then stream in a thread while merging.
