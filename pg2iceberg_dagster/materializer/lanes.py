@@ -10,11 +10,32 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from ..config import PipelineConfig
+from ..coordination.store import CoordinationStore
+from ..source.connection import KeptConnection
 
 Item = TypeVar("Item")
 Lane = TypeVar("Lane")
 Result = TypeVar("Result")
+
+
+@dataclass
+class LaneConnections:
+    """The connections of one lane: its own to the state database, and one kept to the source."""
+
+    store: CoordinationStore
+    source: KeptConnection
+
+    @classmethod
+    def open(cls, config: PipelineConfig) -> LaneConnections:
+        return cls(CoordinationStore(config.state_connection), KeptConnection(config.source))
+
+    def close(self) -> None:
+        self.source.close()
+        self.store.close()
 
 
 class _LanePerThread(Generic[Lane]):

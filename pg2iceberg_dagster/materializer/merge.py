@@ -28,7 +28,7 @@ from pyiceberg.table import Table
 
 from ..config import PipelineConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_lease_within
-from ..coordination.store import CoordinationStore, Lag, LogEntry, SnapshotEpoch
+from ..coordination.store import Lag, LogEntry, SnapshotEpoch
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
 from ..iceberg.catalog import commit_with_retry, table_identifier
@@ -46,7 +46,7 @@ from ..iceberg.evolution import (
 from ..iceberg.layout import apply_layout
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceColumn, TypeResolver, describe_table, file_node
-from ..source.connection import KeptConnection, connect
+from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
@@ -55,7 +55,7 @@ from ..staging.store import ObjectStore, merge_batch_prefix
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .fold import fold
-from .lanes import on_lanes
+from .lanes import LaneConnections, on_lanes
 from .spark_sql import (
     UNCHANGED_COLUMN,
     call_procedure,
@@ -192,7 +192,7 @@ class Materializer:
         self.group = config.materialize.group
         self._seen = _Seen()
         self._lane_numbers = itertools.count(1)  # next() is atomic: lanes open on their own threads
-        self._owned: list[CoordinationStore | KeptConnection] = []  # a lane's own connections
+        self._lane_connections: LaneConnections | None = None  # when this is a lane (see _open_lane)
 
     @property
     def spark(self) -> Any:
@@ -625,24 +625,23 @@ class Materializer:
 
     def _open_lane(self) -> Materializer:
         """A materializer for one worker thread: this one's catalog, Spark and findings, its own connections."""
-        store = CoordinationStore(self.config.state_connection)
-        source = KeptConnection(self.config.source)
+        connections = LaneConnections.open(self.config)
         lane = Materializer(
             self.config,
-            store,
+            connections.store,
             self.catalog,
             lambda: self.spark,
             worker_id=f"{self.worker_id}/lane{next(self._lane_numbers)}",
-            source=source,
+            source=connections.source,
         )
         lane._seen = self._seen
-        lane._owned = [store, source]
+        lane._lane_connections = connections
         return lane
 
     def _close_lane(self) -> None:
         """Close the connections :meth:`_open_lane` opened for this lane."""
-        for owned in self._owned:
-            owned.close()
+        if self._lane_connections is not None:
+            self._lane_connections.close()
 
     def oldest_change_first(self, table_keys: list[str]) -> list[str]:
         """``table_keys`` ordered by the age of their oldest unmerged staged change, oldest first (one

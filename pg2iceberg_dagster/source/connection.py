@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import psycopg
 
 from ..config import PostgresConnection
@@ -44,3 +47,12 @@ class KeptConnection:
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+@contextmanager
+def consistent_read(conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
+    """A READ ONLY REPEATABLE READ transaction on ``conn`` (not in one yet), rolled back at the end:
+    every query in it sees the source at one point, taken by its first query."""
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        yield conn

@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
 
+from .connection import consistent_read
+
 _WRAP = 1 << 32
 _HALF = 1 << 31
 
@@ -52,8 +54,7 @@ class XidSnapshot:
 @contextmanager
 def imported_snapshot(conn: psycopg.Connection, snapshot_name: str) -> Iterator[None]:
     """A read-only transaction on ``conn`` (not in one yet) that sees exactly the exported snapshot."""
-    with conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+    with consistent_read(conn):
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
         yield
 
