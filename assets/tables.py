@@ -132,13 +132,18 @@ def _merge_metadata(
 def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetCheckResult]:
     """The engine's checks of one table as Dagster check results: primary keys unique (blocking);
     schema follows the source; content equals the source when there is no lag (a difference seen
-    while the source is being written is a warning)."""
+    while the source is being written is a warning). A large table's keys and content are checked a
+    slice at a time (``checks.compare_max_rows``): ``checked_rows`` says which."""
     examples = [list(map(str, example)) for example in report.duplicate_examples]
     yield AssetCheckResult(
         asset_key=key,
         check_name=PK_UNIQUE,
         passed=report.duplicate_keys == 0,
-        metadata={"duplicate_keys": report.duplicate_keys, "examples": MetadataValue.json(examples)},
+        metadata={
+            "duplicate_keys": report.duplicate_keys,
+            "examples": MetadataValue.json(examples),
+            "checked_rows": report.scope,
+        },
     )
     yield AssetCheckResult(
         asset_key=key,
@@ -153,7 +158,8 @@ def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetChe
             check_name=MATCHES_SOURCE,
             passed=True,
             severity=AssetCheckSeverity.WARN,
-            metadata={"compared": False, "lag": content.lag},
+            description=content.not_compared or None,
+            metadata={"compared": False, "lag": content.lag, "not_compared": content.not_compared},
         )
         return
     diff = content.diff
@@ -164,6 +170,7 @@ def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetChe
         severity=AssetCheckSeverity.ERROR if content.conclusive else AssetCheckSeverity.WARN,
         metadata={
             "compared": True,
+            "checked_rows": report.scope,
             "source_written_during_check": content.source_written_during_check,
             "changes_in_flight": content.changes_in_flight,
             "pg_rows": diff.pg_rows,

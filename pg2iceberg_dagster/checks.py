@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
+from pyiceberg.expressions import AlwaysTrue, BooleanExpression
 from pyiceberg.table import Table
 
 from .iceberg.evolution import schema_follows_source
@@ -15,7 +16,8 @@ from .verify import TableDiff
 
 @dataclass(frozen=True)
 class ContentCheck:
-    """Rows compared with the source, or why not: changes still staged (``lag`` > 0)."""
+    """Rows compared with the source, or why not: changes still staged (``lag`` > 0), or
+    ``not_compared``."""
 
     lag: int
     diff: TableDiff | None = None  # None when not compared
@@ -24,6 +26,7 @@ class ContentCheck:
     # Changes committed before the comparison may not have been merged yet (the flusher had not
     # staged past them, or staged some since): a difference may be the mirror's ordinary delay.
     changes_in_flight: bool = False
+    not_compared: str = ""  # why a table with no lag was not compared
 
     @property
     def conclusive(self) -> bool:
@@ -39,13 +42,15 @@ class TableCheckReport:
     duplicate_examples: list[tuple]
     schema_problems: list[str]
     content: ContentCheck
+    scope: str = "all rows"  # the rows keys and content were checked in: all, or a slice of a large table
 
 
-def duplicate_keys(table: Table) -> tuple[int, list[tuple]]:
-    """(number of primary keys that appear more than once, a few of them) in the Iceberg table."""
+def duplicate_keys(table: Table, row_filter: BooleanExpression | None = None) -> tuple[int, list[tuple]]:
+    """(number of primary keys that appear more than once, a few of them) in the Iceberg table's rows
+    (those of ``row_filter``)."""
     schema = table.schema()
     key = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
-    rows = table.scan(selected_fields=tuple(key)).to_arrow()
+    rows = table.scan(row_filter=row_filter or AlwaysTrue(), selected_fields=tuple(key)).to_arrow()
     if rows.num_rows == 0:
         return 0, []
     counts = rows.group_by(key).aggregate([([], "count_all")])

@@ -190,7 +190,7 @@ def cmd_spark_server(pipeline: Pipeline, args: argparse.Namespace) -> int:
 def cmd_verify(pipeline: Pipeline, args: argparse.Namespace) -> int:
     if args.catch_up:
         pipeline.catch_up()
-    return 0 if print_diffs(pipeline.verify()) else 5
+    return 0 if print_diffs(pipeline.verify(args.table)) else 5
 
 
 def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
@@ -318,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--catch-up", action="store_true", help="flush and merge up to the current WAL position first"
             )
+            command.add_argument("--table", action="append", help="only this table, schema.table (repeatable)")
         if name == "hold-snapshot":
             command.add_argument(
                 "--max-seconds",

@@ -6,7 +6,7 @@ the engine but ``config``, ``errors`` and ``quickstart``."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table
@@ -27,7 +28,7 @@ from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
-from .materializer.lanes import on_lanes
+from .materializer.lanes import LaneConnections, on_lanes
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
@@ -36,11 +37,11 @@ from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.catalog import SourceTable, TypeResolver, describe_table, modification_count
-from .source.connection import KeptConnection, connect
+from .source.connection import KeptConnection, connect, consistent_read
 from .source.lsn import current_wal_lsn, format_lsn
 from .source.selection import resolve_tables
 from .validation import StartupReport, check_startup, slot_info
-from .verify import TableDiff, compare_table
+from .verify import KeySlice, TableDiff, choose_key_slice, compare_table, sliceable
 
 __all__ = [
     "Chunk",
@@ -138,23 +139,14 @@ def _nothing_after(store: CoordinationStore) -> str:
     return f"Nothing after flushed_lsn {format_lsn(flushed) if flushed else '-'} was registered or acknowledged"
 
 
-@dataclass
-class _CheckLane:
-    """The connections one thread of :meth:`Pipeline.check_tables` works on."""
-
-    source: KeptConnection
-    store: CoordinationStore
-
-    def close(self) -> None:
-        self.source.close()
-        self.store.close()
-
-
 @dataclass(frozen=True)
 class _Compared:
-    """A table compared with the source; whether the source was written meanwhile is read later."""
+    """A table checked and compared with the source; whether the source was written meanwhile (so
+    whether a difference is conclusive) is read later."""
 
-    report: TableCheckReport
+    duplicates: tuple[int, list[tuple]]
+    schema_problems: list[str]
+    scope: str
     diff: TableDiff
     oid: int
     writes_before: int
@@ -385,7 +377,8 @@ class Pipeline:
         read from its statistics, which trail commits: the tables compared share one wait for them."""
         compared: list[tuple[str, _Compared]] = []
         count = max(1, min(self.config.materialize.parallelism, len(table_keys)))
-        for key, outcome in on_lanes(table_keys, count, self._open_check_lane, _CheckLane.close, self._check_table):
+        open_lane = functools.partial(LaneConnections.open, self.config)
+        for key, outcome in on_lanes(table_keys, count, open_lane, LaneConnections.close, self._check_table):
             if isinstance(outcome, _Compared):
                 compared.append((key, outcome))
             else:
@@ -401,8 +394,8 @@ class Pipeline:
             # A change committed before the comparison but not merged: not staged yet when it was
             # compared (the flusher had not passed it), or staged since (the table lags again).
             in_flight = not table.diff.ok and (flushed < table.wal or self.lag(key).changes > 0)
-            content = ContentCheck(0, table.diff, written, in_flight)
-            yield key, dataclasses.replace(table.report, content=content)
+            content = ContentCheck(0, table.diff, source_written_during_check=written, changes_in_flight=in_flight)
+            yield key, TableCheckReport(*table.duplicates, table.schema_problems, content, table.scope)
 
     def _flushed_past(self, lsn: int | None) -> int:
         """The flushed LSN, once it is at or past ``lsn`` or after :data:`IN_FLIGHT_WAIT_SECONDS`
@@ -414,34 +407,45 @@ class Pipeline:
                 return flushed
             time.sleep(0.5)
 
-    def _open_check_lane(self) -> _CheckLane:
-        return _CheckLane(KeptConnection(self.config.source), CoordinationStore(self.config.state_connection))
-
-    def _check_table(self, lane: _CheckLane, table_key: str) -> TableCheckReport | _Compared:
+    def _check_table(self, lane: LaneConnections, table_key: str) -> TableCheckReport | _Compared:
         """One table's checks (see :meth:`check_tables`); a comparison still waits for the statistics."""
         table = self.catalog.load_table(table_identifier(self.config, table_key))
-        duplicates = duplicate_keys(table)
         conn = lane.source()
         source = describe_table(conn, self.config.table(table_key), TypeResolver(conn))
         problems = schema_mismatches(source, table)
+        key_slice, not_compared, scope = self._check_scope(conn, source, table)
+        duplicates = duplicate_keys(table, key_slice.row_filter() if key_slice else None)
         lag = lane.store.lag(self.config.materialize.group, table_key)
-        if lag.changes > 0:
-            return TableCheckReport(*duplicates, problems, ContentCheck(lag.changes))
+        if lag.changes > 0 or not_compared:
+            return TableCheckReport(*duplicates, problems, ContentCheck(lag.changes, not_compared=not_compared), scope)
         writes_before = modification_count(conn, source.oid)
         started = time.monotonic()
-        diff, wal = self._compare(source, table)
-        report = TableCheckReport(*duplicates, problems, ContentCheck(0, diff))
-        return _Compared(report, diff, source.oid, writes_before, wal, started)
-
-    def _compare(self, source: SourceTable, table: Table) -> tuple[TableDiff, int]:
-        """One table against the source, read in a REPEATABLE READ transaction of its own; and the
-        WAL position as its snapshot was taken (every transaction it sees committed before it)."""
-        with connect(self.config.source, autocommit=False) as conn:
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        with consistent_read(conn):
             wal = current_wal_lsn(conn)  # the transaction's first query: its snapshot is taken here
-            diff = compare_table(conn, source, table, self.config.values.out_of_range)
-            conn.rollback()
-        return diff, wal
+            diff = compare_table(conn, source, table, self.config.values.out_of_range, key_slice=key_slice)
+        return _Compared(duplicates, problems, scope, diff, source.oid, writes_before, wal, started)
+
+    def _check_scope(
+        self, conn: psycopg.Connection, source: SourceTable, table: Table
+    ) -> tuple[KeySlice | None, str, str]:
+        """What a table's checks cover: all its rows, or, above ``checks.compare_max_rows``, a slice of
+        its key from a random key (each check another); why its content is not compared, if so; and
+        the scope in words."""
+        limit = self.config.checks.compare_max_rows
+        rows = summary_health(table).records
+        if rows <= limit:
+            return None, "", "all rows"
+        if not sliceable(source):
+            reason = (
+                f"about {rows:,} rows, more than checks.compare_max_rows ({limit:,}), and a primary key "
+                f"that is not all integer columns cannot be compared a range at a time; "
+                f"`pg2iceberg-dagster verify --table {source.key}` compares the whole table"
+            )
+            return None, reason, "all rows"
+        key_slice = choose_key_slice(conn, source, limit)
+        if key_slice is None:  # the source is empty: nothing to slice
+            return None, "", "all rows"
+        return key_slice, "", f"{key_slice.describe()} ({limit:,} of about {rows:,} rows)"
 
     def run(self, stop: threading.Event, interval: float | None = None) -> None:
         """Everything in one process: snapshot, then stream in a thread while merging.
@@ -523,9 +527,11 @@ class Pipeline:
         ``refresh`` re-reads the source columns first (they may have changed since the last check).
         """
         report = self.validate(refresh=refresh)
+        unknown = sorted(set(table_keys or ()) - set(report.tables))
+        if unknown:
+            raise ConfigError(f"not configured tables: {', '.join(unknown)} (configured: {', '.join(report.tables)})")
         diffs = []
-        with connect(self.config.source, autocommit=False) as conn:
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        with connect(self.config.source) as conn, consistent_read(conn):
             for key, source in report.tables.items():
                 if table_keys is not None and key not in table_keys:
                     continue
@@ -538,7 +544,6 @@ class Pipeline:
                     diffs.append(diff)
                     continue
                 diffs.append(compare_table(conn, source, iceberg_table, self.config.values.out_of_range))
-            conn.rollback()
         return diffs
 
     def forget_removed_tables(self) -> list[TableConfig]:
