@@ -13,6 +13,8 @@ from .iceberg.evolution import schema_follows_source
 from .source.catalog import SourceTable
 from .verify import TableDiff
 
+ALL_ROWS = "all rows"
+
 
 @dataclass(frozen=True)
 class ContentCheck:
@@ -42,7 +44,9 @@ class TableCheckReport:
     duplicate_examples: list[tuple]
     schema_problems: list[str]
     content: ContentCheck
-    scope: str = "all rows"  # the rows keys and content were checked in: all, or a slice of a large table
+    # The rows whose keys were checked, and the rows compared: all, or a key range of a large table.
+    keys_checked: str = ALL_ROWS
+    content_checked: str = ALL_ROWS
 
 
 def duplicate_keys(table: Table, row_filter: BooleanExpression | None = None) -> tuple[int, list[tuple]]:

@@ -339,10 +339,14 @@ class MaterializeConfig(_Strict):
 class ChecksConfig(_Strict):
     """The data checks that follow merges in Dagster (``matches_source``, ``primary_key_unique``)."""
 
-    # A table holding more rows than this is checked on a slice of this many rows at each check, a
-    # range of its (integer) primary key from a random key, so that a check's time and memory do not
-    # grow with the table (200k narrow rows: about 3.5 s and 200 MiB); `verify` compares whole tables.
+    # A table holding more rows than this is compared with the source on a slice of this many rows
+    # at each check, a range of its (integer) primary key from a random key, so that a check's time
+    # and memory do not grow with the table (200k narrow rows: about 2.5 s and 300 MiB); `verify`
+    # compares whole tables.
     compare_max_rows: int = Field(200_000, ge=1)
+    # Its keys are checked for duplicates whole up to this many rows (only the key columns are read:
+    # 2M bigint keys took 0.75 s and 250 MiB), in the same slice above it.
+    unique_keys_max_rows: int = Field(2_000_000, ge=1)
 
 
 class MaintenanceConfig(_Strict):

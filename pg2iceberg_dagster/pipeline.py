@@ -18,9 +18,10 @@ from typing import Any
 import psycopg
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.expressions import BooleanExpression
 from pyiceberg.table import Table
 
-from .checks import ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
+from .checks import ALL_ROWS, ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
 from .cleanup import remove_tables
 from .config import PipelineConfig, TableConfig
 from .coordination.store import Chunk, CoordinationStore, Lag
@@ -140,13 +141,34 @@ def _nothing_after(store: CoordinationStore) -> str:
 
 
 @dataclass(frozen=True)
+class _CheckScope:
+    """What a table's checks cover: every row, or a key range of a large table (see
+    ``checks.compare_max_rows``); and why its content is not compared, if so."""
+
+    key_slice: KeySlice | None = None
+    slice_keys: bool = False  # the duplicate-key check too covers the slice only
+    described: str = ALL_ROWS
+    not_compared: str = ""
+
+    def keys_filter(self) -> BooleanExpression | None:
+        return self.key_slice.row_filter() if self.key_slice and self.slice_keys else None
+
+    def report(
+        self, duplicates: tuple[int, list[tuple]], problems: list[str], content: ContentCheck
+    ) -> TableCheckReport:
+        keys_checked = self.described if self.keys_filter() is not None else ALL_ROWS
+        content_checked = self.described if content.diff is not None else ALL_ROWS
+        return TableCheckReport(*duplicates, problems, content, keys_checked, content_checked)
+
+
+@dataclass(frozen=True)
 class _Compared:
     """A table checked and compared with the source; whether the source was written meanwhile (so
     whether a difference is conclusive) is read later."""
 
     duplicates: tuple[int, list[tuple]]
     schema_problems: list[str]
-    scope: str
+    scope: _CheckScope
     diff: TableDiff
     oid: int
     writes_before: int
@@ -395,7 +417,7 @@ class Pipeline:
             # compared (the flusher had not passed it), or staged since (the table lags again).
             in_flight = not table.diff.ok and (flushed < table.wal or self.lag(key).changes > 0)
             content = ContentCheck(0, table.diff, source_written_during_check=written, changes_in_flight=in_flight)
-            yield key, TableCheckReport(*table.duplicates, table.schema_problems, content, table.scope)
+            yield key, table.scope.report(table.duplicates, table.schema_problems, content)
 
     def _flushed_past(self, lsn: int | None) -> int:
         """The flushed LSN, once it is at or past ``lsn`` or after :data:`IN_FLIGHT_WAIT_SECONDS`
@@ -413,39 +435,39 @@ class Pipeline:
         conn = lane.source()
         source = describe_table(conn, self.config.table(table_key), TypeResolver(conn))
         problems = schema_mismatches(source, table)
-        key_slice, not_compared, scope = self._check_scope(conn, source, table)
-        duplicates = duplicate_keys(table, key_slice.row_filter() if key_slice else None)
+        scope = self._check_scope(conn, source, table)
+        duplicates = duplicate_keys(table, scope.keys_filter())
         lag = lane.store.lag(self.config.materialize.group, table_key)
-        if lag.changes > 0 or not_compared:
-            return TableCheckReport(*duplicates, problems, ContentCheck(lag.changes, not_compared=not_compared), scope)
+        if lag.changes > 0 or scope.not_compared:
+            return scope.report(duplicates, problems, ContentCheck(lag.changes, not_compared=scope.not_compared))
         writes_before = modification_count(conn, source.oid)
         started = time.monotonic()
         with consistent_read(conn):
             wal = current_wal_lsn(conn)  # the transaction's first query: its snapshot is taken here
-            diff = compare_table(conn, source, table, self.config.values.out_of_range, key_slice=key_slice)
+            rule = self.config.values.out_of_range
+            diff = compare_table(conn, source, table, rule, key_slice=scope.key_slice)
         return _Compared(duplicates, problems, scope, diff, source.oid, writes_before, wal, started)
 
-    def _check_scope(
-        self, conn: psycopg.Connection, source: SourceTable, table: Table
-    ) -> tuple[KeySlice | None, str, str]:
-        """What a table's checks cover: all its rows, or, above ``checks.compare_max_rows``, a slice of
-        its key from a random key (each check another); why its content is not compared, if so; and
-        the scope in words."""
-        limit = self.config.checks.compare_max_rows
+    def _check_scope(self, conn: psycopg.Connection, source: SourceTable, table: Table) -> _CheckScope:
+        """Every row, or above ``checks.compare_max_rows`` a key range of that many rows from a random
+        key (each check another); its duplicate keys too above ``checks.unique_keys_max_rows``."""
+        checks = self.config.checks
         rows = summary_health(table).records
-        if rows <= limit:
-            return None, "", "all rows"
+        if rows <= checks.compare_max_rows:
+            return _CheckScope()
         if not sliceable(source):
-            reason = (
-                f"about {rows:,} rows, more than checks.compare_max_rows ({limit:,}), and a primary key "
-                f"that is not all integer columns cannot be compared a range at a time; "
-                f"`pg2iceberg-dagster verify --table {source.key}` compares the whole table"
+            return _CheckScope(
+                not_compared=(
+                    f"about {rows:,} rows, more than checks.compare_max_rows ({checks.compare_max_rows:,}), and a "
+                    f"primary key that is not all integer columns cannot be compared a range at a time; "
+                    f"`pg2iceberg-dagster verify --table {source.key}` compares the whole table"
+                )
             )
-            return None, reason, "all rows"
-        key_slice = choose_key_slice(conn, source, limit)
+        key_slice = choose_key_slice(conn, source, checks.compare_max_rows)
         if key_slice is None:  # the source is empty: nothing to slice
-            return None, "", "all rows"
-        return key_slice, "", f"{key_slice.describe()} ({limit:,} of about {rows:,} rows)"
+            return _CheckScope()
+        described = f"{key_slice.describe()} ({checks.compare_max_rows:,} of about {rows:,} rows)"
+        return _CheckScope(key_slice, rows > checks.unique_keys_max_rows, described)
 
     def run(self, stop: threading.Event, interval: float | None = None) -> None:
         """Everything in one process: snapshot, then stream in a thread while merging.

@@ -185,11 +185,20 @@ def _comparable(value: Any) -> Any:
 def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tuple[dict[tuple, tuple], int]:
     by_key: dict[tuple, tuple] = {}
     duplicates = 0
-    for row in rows.select(columns).to_pylist():
-        k = tuple(row[name] for name in key)
-        if k in by_key:
-            duplicates += 1
-        by_key[k] = tuple(_comparable(row[name]) for name in columns)
+    selected = rows.select(columns)
+    positions = [columns.index(name) for name in key]
+    # Only floats (and what may nest them) can hold a NaN: other values compare as they are.
+    with_nan = [pa.types.is_floating(f.type) or pa.types.is_nested(f.type) for f in selected.schema]
+    for batch in selected.to_batches(max_chunksize=65_536):
+        by_column = [
+            [_comparable(value) for value in column.to_pylist()] if nan else column.to_pylist()
+            for column, nan in zip(batch.columns, with_nan, strict=True)
+        ]
+        for values in zip(*by_column, strict=True):
+            k = tuple(values[position] for position in positions)
+            if k in by_key:
+                duplicates += 1
+            by_key[k] = values
     return by_key, duplicates
 
 

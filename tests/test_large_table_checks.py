@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from dagster import AssetCheckSeverity, AssetKey
 from psycopg import sql
 
+from assets.tables import table_check_results
 from pg2iceberg_dagster import pipeline as pipeline_module
 from pg2iceberg_dagster.errors import ConfigError
 from pg2iceberg_dagster.source.catalog import TypeResolver, describe_table
@@ -34,20 +36,32 @@ def test_a_large_table_is_checked_a_key_range_at_a_time(source: SourceDb, monkey
     source.execute(f"CREATE TABLE {SMALL} (id int PRIMARY KEY, v text)")
     source.execute(f"INSERT INTO {SMALL} SELECT g, 'v' FROM generate_series(1, 30) g")
     tables = [COMPOSITE, TEXT_KEY, SMALL]
-    pipeline = source.pipeline(source.config(tables, checks={"compare_max_rows": LIMIT}))
+    pipeline = source.pipeline(source.config(tables, checks={"compare_max_rows": LIMIT, "unique_keys_max_rows": 100}))
     pipeline.snapshot()
 
     reports = dict(pipeline.check_tables(tables))
     composite, text_key, small = (reports[name] for name in tables)
     assert not isinstance(composite, Exception) and not isinstance(text_key, Exception)
     assert not isinstance(small, Exception)
-    assert composite.scope.startswith("tenant, id from (") and f"({LIMIT} of about 300 rows)" in composite.scope
+    assert composite.content_checked.startswith("tenant, id from (")
+    assert f"({LIMIT} of about 300 rows)" in composite.content_checked
+    assert composite.keys_checked == composite.content_checked  # 300 rows: more than unique_keys_max_rows
     diff = composite.content.diff
     assert diff is not None and diff.ok and diff.pg_rows == diff.iceberg_rows == LIMIT
     # Too large, and a text key orders by collation in PostgreSQL, by bytes in Iceberg: not compared.
     assert text_key.content.diff is None and "checks.compare_max_rows (40)" in text_key.content.not_compared
     assert f"verify --table {TEXT_KEY}" in text_key.content.not_compared
-    assert small.scope == "all rows" and small.content.diff is not None and small.content.diff.pg_rows == 30
+    # In Dagster: a warning that fails, saying why (lagging passes: the next quiet run compares).
+    results = {r.check_name: r for r in table_check_results(text_key, AssetKey(["t"]))}
+    not_compared = results["matches_source"]
+    assert not not_compared.passed and not_compared.severity == AssetCheckSeverity.WARN
+    assert not_compared.description == text_key.content.not_compared
+    assert (
+        results["primary_key_unique"].passed
+        and results["primary_key_unique"].metadata["checked_rows"].value == "all rows"
+    )
+    assert small.content_checked == small.keys_checked == "all rows"
+    assert small.content.diff is not None and small.content.diff.pg_rows == 30
 
     # Every source row changed, nothing replicated: each slice must find exactly its rows different,
     # none on one side only, and hold as many rows as the source has in that key range.
@@ -77,3 +91,12 @@ def test_a_large_table_is_checked_a_key_range_at_a_time(source: SourceDb, monkey
 
     with pytest.raises(ConfigError, match=r"not configured tables: public\.nope"):
         pipeline.verify(["public.nope"])
+
+    # Every key twice in Iceberg: the duplicate-key check finds the slice's keys, or, at or below
+    # unique_keys_max_rows, every key.
+    iceberg.append(iceberg.scan().to_arrow())
+    sliced = dict(pipeline.check_tables([COMPOSITE]))[COMPOSITE]
+    assert not isinstance(sliced, Exception) and sliced.duplicate_keys == LIMIT
+    whole_keys = source.pipeline(source.config(tables, checks={"compare_max_rows": LIMIT}))
+    whole = dict(whole_keys.check_tables([COMPOSITE]))[COMPOSITE]
+    assert not isinstance(whole, Exception) and whole.duplicate_keys == 300 and whole.keys_checked == "all rows"
