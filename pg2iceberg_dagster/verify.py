@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg import sql
 from pyiceberg.expressions import (
     AlwaysTrue,
@@ -26,6 +29,7 @@ from pyiceberg.table import Table
 
 from .config import OutOfRange
 from .iceberg.types import arrow_column, arrow_schema, iceberg_schema, text_loaders
+from .maintenance.health import summary_health
 from .source.catalog import TEXT_OID, SourceTable
 from .source.connection import consistent_read
 
@@ -129,11 +133,16 @@ def choose_key_slice(conn: psycopg.Connection, source: SourceTable, rows: int) -
     return KeySlice(source.primary_key, low, high)
 
 
-def copy_rows(
-    conn: psycopg.Connection, source: SourceTable, schema: pa.Schema, rule: OutOfRange, where: KeySlice | None = None
-) -> pa.Table:
-    """The table (or the rows of ``where``) as ``schema``, read by ``COPY`` text on ``conn`` (inside the
-    caller's transaction), values Iceberg cannot hold mapped by ``rule``.
+def copy_batches(
+    conn: psycopg.Connection,
+    source: SourceTable,
+    schema: pa.Schema,
+    rule: OutOfRange,
+    where: KeySlice | None = None,
+    batch_rows: int = 65_536,
+) -> Iterator[pa.Table]:
+    """The table (or the rows of ``where``) as ``schema``, ``batch_rows`` at a time, read by ``COPY``
+    text on ``conn`` (inside the caller's transaction), values Iceberg cannot hold mapped by ``rule``.
 
     Deliberately not the snapshot's reader: values are parsed from their text form by the text loaders
     the WAL path uses, so a decoding slip in either path shows up as a difference.
@@ -144,21 +153,40 @@ def copy_rows(
         columns, sql.Identifier(source.schema_name), sql.Identifier(source.table_name), condition
     )
     loaders = text_loaders(source.columns, rule)
+
+    def as_arrow(values: list[list[object]], rows: int) -> pa.Table:
+        by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
+        arrays = [
+            arrow_column(by_name[field.name], field.type, field.name)
+            if field.name in by_name
+            else pa.nulls(rows, field.type)
+            for field in schema
+        ]
+        return pa.Table.from_arrays(arrays, schema=schema)
+
     values: list[list[object]] = [[] for _ in source.columns]
+    rows = 0
     with conn.cursor() as cursor, cursor.copy(query) as copy:
         # COPY's escapes undone, each value's text goes through the column's loader.
         copy.set_types([TEXT_OID] * len(source.columns))
         for row in copy.rows():
             for position, text in enumerate(row):
                 values[position].append(None if text is None else loaders[position](text.encode()))
-    by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
-    arrays = [
-        arrow_column(by_name[field.name], field.type, field.name)
-        if field.name in by_name
-        else pa.nulls(len(values[0]) if values else 0, field.type)
-        for field in schema
-    ]
-    return pa.Table.from_arrays(arrays, schema=schema)
+            rows += 1
+            if rows == batch_rows:
+                yield as_arrow(values, rows)
+                values, rows = [[] for _ in source.columns], 0
+    if rows:
+        yield as_arrow(values, rows)
+
+
+def copy_rows(
+    conn: psycopg.Connection, source: SourceTable, schema: pa.Schema, rule: OutOfRange, where: KeySlice | None = None
+) -> pa.Table:
+    """:func:`copy_batches` as one table."""
+    return pa.Table.from_batches(
+        [batch for table in copy_batches(conn, source, schema, rule, where) for batch in table.to_batches()], schema
+    )
 
 
 class _NaN:
@@ -182,24 +210,97 @@ def _comparable(value: Any) -> Any:
     return value
 
 
-def _rows_by_key(rows: pa.Table, key: tuple[str, ...], columns: list[str]) -> tuple[dict[tuple, tuple], int]:
+def _normalizers(schema: pa.Schema) -> list[bool]:
+    """Per column, whether its values need :func:`_comparable`: only floats (and what may nest them)
+    can hold a NaN; other values compare as they are."""
+    return [pa.types.is_floating(f.type) or pa.types.is_nested(f.type) for f in schema]
+
+
+def _row_values(batch: pa.RecordBatch, with_nan: list[bool], positions: list[int] | None = None) -> Iterator[tuple]:
+    """Each row's values (those at ``positions`` only, when given) as compared."""
+    chosen = range(batch.num_columns) if positions is None else positions
+    by_column = [
+        [_comparable(value) for value in batch.column(i).to_pylist()] if with_nan[i] else batch.column(i).to_pylist()
+        for i in chosen
+    ]
+    return zip(*by_column, strict=True)
+
+
+def _rows_by_key(rows: pa.Table, positions: list[int]) -> tuple[dict[tuple, tuple], int]:
+    """The rows by their key (the values at ``positions``), and how many keys repeat."""
     by_key: dict[tuple, tuple] = {}
     duplicates = 0
-    selected = rows.select(columns)
-    positions = [columns.index(name) for name in key]
-    # Only floats (and what may nest them) can hold a NaN: other values compare as they are.
-    with_nan = [pa.types.is_floating(f.type) or pa.types.is_nested(f.type) for f in selected.schema]
-    for batch in selected.to_batches(max_chunksize=65_536):
-        by_column = [
-            [_comparable(value) for value in column.to_pylist()] if nan else column.to_pylist()
-            for column, nan in zip(batch.columns, with_nan, strict=True)
-        ]
-        for values in zip(*by_column, strict=True):
+    with_nan = _normalizers(rows.schema)
+    for batch in rows.to_batches(max_chunksize=65_536):
+        for values in _row_values(batch, with_nan):
             k = tuple(values[position] for position in positions)
             if k in by_key:
                 duplicates += 1
             by_key[k] = values
     return by_key, duplicates
+
+
+def _add_differences(
+    diff: TableDiff, pg_rows: pa.Table, iceberg_rows: pa.Table, positions: list[int], examples: int
+) -> None:
+    """Count into ``diff`` the differences between these rows (all the rows of some keys on both sides)."""
+    pg, _ = _rows_by_key(pg_rows, positions)
+    ice, duplicates = _rows_by_key(iceberg_rows, positions)
+    diff.pg_rows += pg_rows.num_rows
+    diff.iceberg_rows += iceberg_rows.num_rows
+    diff.duplicate_keys += duplicates
+    found = {
+        "only_in_pg": [k for k in pg if k not in ice],
+        "only_in_iceberg": [k for k in ice if k not in pg],
+        "different": [k for k in pg if k in ice and pg[k] != ice[k]],
+    }
+    diff.only_in_pg += len(found["only_in_pg"])
+    diff.only_in_iceberg += len(found["only_in_iceberg"])
+    diff.different += len(found["different"])
+    for name, keys in found.items():
+        kept = diff.examples.setdefault(name, [])
+        kept += keys[: examples - len(kept)]
+        if not kept:
+            del diff.examples[name]
+
+
+class _Buckets:
+    """One side's rows spilled to ``count`` Arrow files by a hash of their key, so that the two sides
+    are compared a bucket (the same keys on both sides) at a time in bounded memory."""
+
+    def __init__(self, directory: Path, side: str, schema: pa.Schema, count: int, positions: list[int]) -> None:
+        self._paths = [directory / f"{side}-{bucket}.arrow" for bucket in range(count)]
+        options = pa.ipc.IpcWriteOptions(compression="lz4")
+        self._writers = [pa.ipc.new_file(str(path), schema, options=options) for path in self._paths]
+        self._positions = positions
+        self._with_nan = _normalizers(schema)
+
+    def add(self, rows: pa.Table) -> None:
+        count = len(self._writers)
+        for batch in rows.to_batches():
+            keys = _row_values(batch, self._with_nan, self._positions)
+            buckets = pa.array([hash(key) % count for key in keys], pa.int32())
+            order = pc.sort_indices(buckets)
+            batch, buckets = batch.take(order), buckets.take(order)
+            start = 0
+            for bucket_count in pc.value_counts(buckets).to_pylist():
+                bucket, size = bucket_count["values"], bucket_count["counts"]
+                self._writers[bucket].write_batch(batch.slice(start, size))
+                start += size
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+
+    def read(self, bucket: int) -> pa.Table:
+        with pa.memory_map(str(self._paths[bucket])) as source:
+            return pa.ipc.open_file(source).read_all()
+
+
+# Rows compared in memory at once by ``verify``: a larger table is compared a hash bucket of keys at
+# a time, each side first spilled to local Arrow files (lz4) in the temporary directory.
+BUCKET_ROWS = 500_000
+MAX_BUCKETS = 256
 
 
 def compare_table(
@@ -211,7 +312,9 @@ def compare_table(
     key_slice: KeySlice | None = None,
 ) -> TableDiff:
     """Compare a table (or the rows of ``key_slice``) read on ``conn`` (the caller's REPEATABLE READ
-    transaction) with Iceberg, after ``rule`` mapped the source's values Iceberg cannot hold.
+    transaction) with Iceberg, after ``rule`` mapped the source's values Iceberg cannot hold. A table
+    of more than :data:`BUCKET_ROWS` rows (on either side, as its statistics say) is compared a hash
+    bucket of keys at a time, both sides spilled to local files first.
 
     A source column Iceberg does not have yet counts as NULL there: logical replication carries no
     DDL, so a column added in the source reaches Iceberg with the first change to the table after
@@ -221,27 +324,55 @@ def compare_table(
     iceberg_schema_arrow = arrow_schema(iceberg_table.schema())
     not_yet_in_iceberg = [column for column in source.columns if column.name not in iceberg_schema_arrow.names]
     schema = pa.schema([*iceberg_schema_arrow, *arrow_schema(iceberg_schema(not_yet_in_iceberg, ()))])
-    pg_rows = copy_rows(conn, source, schema, rule, key_slice)
-    iceberg_rows = iceberg_table.scan(row_filter=key_slice.row_filter() if key_slice else AlwaysTrue()).to_arrow()
-    if iceberg_rows.num_rows:
-        iceberg_rows = iceberg_rows.cast(iceberg_schema_arrow)
+    columns = [column.name for column in source.columns]
+    positions = [columns.index(name) for name in source.primary_key]
+
+    def as_compared(rows: pa.Table | pa.RecordBatch) -> pa.Table:
+        table = pa.Table.from_batches([rows]) if isinstance(rows, pa.RecordBatch) else rows
+        table = table.cast(iceberg_schema_arrow)
         for column in not_yet_in_iceberg:
             added = schema.field(column.name)
-            iceberg_rows = iceberg_rows.append_column(added, pa.nulls(iceberg_rows.num_rows, added.type))
-    else:
-        iceberg_rows = pg_rows.slice(0, 0)
-    columns = [column.name for column in source.columns]
-    pg, _ = _rows_by_key(pg_rows, source.primary_key, columns)
-    ice, duplicates = _rows_by_key(iceberg_rows, source.primary_key, columns)
-    diff = TableDiff(source.key, pg_rows.num_rows, iceberg_rows.num_rows, duplicate_keys=duplicates)
-    only_pg = [k for k in pg if k not in ice]
-    only_ice = [k for k in ice if k not in pg]
-    different = [k for k in pg if k in ice and pg[k] != ice[k]]
-    diff.only_in_pg, diff.only_in_iceberg, diff.different = len(only_pg), len(only_ice), len(different)
-    for name, keys in (("only_in_pg", only_pg), ("only_in_iceberg", only_ice), ("different", different)):
-        if keys:
-            diff.examples[name] = keys[:examples]
+            table = table.append_column(added, pa.nulls(table.num_rows, added.type))
+        return table.select(columns)
+
+    scan = iceberg_table.scan(row_filter=key_slice.row_filter() if key_slice else AlwaysTrue())
+    diff = TableDiff(source.key)
+    # A slice is sized to be compared at once; a whole table by the larger of the two sides.
+    rows = 0 if key_slice else max(summary_health(iceberg_table).records, _source_rows_estimate(conn, source))
+    buckets = min(MAX_BUCKETS, -(-rows // BUCKET_ROWS))
+    if buckets <= 1:
+        pg_rows = copy_rows(conn, source, schema, rule, key_slice).select(columns)
+        iceberg_rows = scan.to_arrow()
+        iceberg_rows = as_compared(iceberg_rows) if iceberg_rows.num_rows else pg_rows.slice(0, 0)
+        _add_differences(diff, pg_rows, iceberg_rows, positions, examples)
+        return diff
+    compared = pa.schema([schema.field(name) for name in columns])
+    with tempfile.TemporaryDirectory(prefix="pg2iceberg-verify-") as directory:
+        sides = [_Buckets(Path(directory), side, compared, buckets, positions) for side in ("pg", "iceberg")]
+        try:
+            for rows in copy_batches(conn, source, schema, rule):
+                sides[0].add(rows.select(columns))
+            for batch in scan.to_arrow_batch_reader():
+                sides[1].add(as_compared(batch))
+        finally:
+            for side in sides:
+                side.close()
+        for bucket in range(buckets):
+            _add_differences(diff, sides[0].read(bucket), sides[1].read(bucket), positions, examples)
     return diff
+
+
+def _source_rows_estimate(conn: psycopg.Connection, source: SourceTable) -> int:
+    """The planner's row count of the table (of its leaf partitions for a partitioned one; 0 when
+    never analyzed)."""
+    row = conn.execute(
+        "SELECT coalesce("
+        " (SELECT sum(greatest(c.reltuples, 0)) FROM pg_catalog.pg_partition_tree(%(oid)s) t"
+        "  JOIN pg_catalog.pg_class c ON c.oid = t.relid WHERE t.isleaf),"
+        " (SELECT greatest(reltuples, 0) FROM pg_catalog.pg_class WHERE oid = %(oid)s), 0)::bigint",
+        {"oid": source.oid},
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def print_diffs(diffs: Sequence[TableDiff]) -> bool:
