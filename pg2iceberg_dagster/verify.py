@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import tempfile
@@ -298,7 +299,8 @@ class _Buckets:
 
 
 # Rows compared in memory at once by ``verify``: a larger table is compared a hash bucket of keys at
-# a time, each side first spilled to local Arrow files (lz4) in the temporary directory.
+# a time, each side first spilled to local Arrow files (lz4) in the temporary directory; past
+# MAX_BUCKETS (a file open per bucket while a side is written) buckets grow instead.
 BUCKET_ROWS = 500_000
 MAX_BUCKETS = 256
 
@@ -348,17 +350,16 @@ def compare_table(
         return diff
     compared = pa.schema([schema.field(name) for name in columns])
     with tempfile.TemporaryDirectory(prefix="pg2iceberg-verify-") as directory:
-        sides = [_Buckets(Path(directory), side, compared, buckets, positions) for side in ("pg", "iceberg")]
-        try:
+        pg_side = _Buckets(Path(directory), "pg", compared, buckets, positions)
+        with contextlib.closing(pg_side):
             for rows in copy_batches(conn, source, schema, rule):
-                sides[0].add(rows.select(columns))
+                pg_side.add(rows.select(columns))
+        iceberg_side = _Buckets(Path(directory), "iceberg", compared, buckets, positions)
+        with contextlib.closing(iceberg_side):
             for batch in scan.to_arrow_batch_reader():
-                sides[1].add(as_compared(batch))
-        finally:
-            for side in sides:
-                side.close()
+                iceberg_side.add(as_compared(batch))
         for bucket in range(buckets):
-            _add_differences(diff, sides[0].read(bucket), sides[1].read(bucket), positions, examples)
+            _add_differences(diff, pg_side.read(bucket), iceberg_side.read(bucket), positions, examples)
     return diff
 
 
