@@ -551,7 +551,11 @@ class Pipeline:
         report = self.validate(refresh=refresh)
         unknown = sorted(set(table_keys or ()) - set(report.tables))
         if unknown:
-            raise ConfigError(f"not configured tables: {', '.join(unknown)} (configured: {', '.join(report.tables)})")
+            configured = sorted(report.tables)
+            more = f" and {len(configured) - 10} more" if len(configured) > 10 else ""
+            raise ConfigError(
+                f"not configured tables: {', '.join(unknown)} (configured: {', '.join(configured[:10])}{more})"
+            )
         diffs = []
         with connect(self.config.source) as conn, consistent_read(conn):
             for key, source in report.tables.items():
