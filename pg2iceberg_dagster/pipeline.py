@@ -146,7 +146,7 @@ class _CheckScope:
     ``checks.compare_max_rows``); and why its content is not compared, if so."""
 
     key_slice: KeySlice | None = None
-    slice_keys: bool = False  # the duplicate-key check too covers the slice only
+    slice_keys: bool = False  # the duplicate-key check too covers the slice only (with key_slice only)
     described: str = ALL_ROWS
     not_compared: str = ""
 
@@ -156,7 +156,7 @@ class _CheckScope:
     def report(
         self, duplicates: tuple[int, list[tuple]], problems: list[str], content: ContentCheck
     ) -> TableCheckReport:
-        keys_checked = self.described if self.keys_filter() is not None else ALL_ROWS
+        keys_checked = self.described if self.slice_keys else ALL_ROWS
         content_checked = self.described if content.diff is not None else ALL_ROWS
         return TableCheckReport(*duplicates, problems, content, keys_checked, content_checked)
 

@@ -33,6 +33,7 @@ from .iceberg.types import arrow_column, arrow_schema, iceberg_schema, text_load
 from .maintenance.health import summary_health
 from .source.catalog import TEXT_OID, SourceTable
 from .source.connection import consistent_read
+from .source.partitions import row_holders
 
 
 @dataclass
@@ -367,11 +368,8 @@ def _source_rows_estimate(conn: psycopg.Connection, source: SourceTable) -> int:
     """The planner's row count of the table (of its leaf partitions for a partitioned one; 0 when
     never analyzed)."""
     row = conn.execute(
-        "SELECT coalesce("
-        " (SELECT sum(greatest(c.reltuples, 0)) FROM pg_catalog.pg_partition_tree(%(oid)s) t"
-        "  JOIN pg_catalog.pg_class c ON c.oid = t.relid WHERE t.isleaf),"
-        " (SELECT greatest(reltuples, 0) FROM pg_catalog.pg_class WHERE oid = %(oid)s), 0)::bigint",
-        {"oid": source.oid},
+        "SELECT coalesce(sum(greatest(reltuples, 0)), 0)::bigint FROM pg_catalog.pg_class WHERE oid = ANY(%s)",
+        (row_holders(conn, source.oid),),
     ).fetchone()
     return int(row[0]) if row else 0
 

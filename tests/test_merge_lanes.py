@@ -6,11 +6,15 @@ source row by row, and a table whose merge fails must not keep the others from m
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
+import psycopg
 import pyarrow as pa
 import pytest
 
+from pg2iceberg_dagster.checks import TableCheckReport
 from pg2iceberg_dagster.errors import ResyncRequiredError
 
 from .conftest import SourceDb
@@ -107,3 +111,50 @@ def test_a_difference_still_in_flight_is_inconclusive_and_one_no_change_explains
     assert stray_row.content.diff is not None and stray_row.content.diff.only_in_iceberg == 1
     assert not stray_row.content.changes_in_flight and stray_row.content.conclusive
     assert pipeline.lag(tables[0]).changes == 1 and pipeline.lag(tables[1]).changes == 0
+
+
+def test_a_source_written_while_its_table_is_checked_is_reported_so(source: SourceDb) -> None:
+    """A table written between the check's reading of its statistics and their reading after the
+    comparison (an ordinary table, and a partitioned one through its leaves) is reported as written
+    during the check, so a difference there is inconclusive; a table nobody wrote is not."""
+    quiet, busy, parted = "public.quiet", "public.busy", "public.parted"
+    source.execute(f"CREATE TABLE {quiet} (id int PRIMARY KEY, v text)")
+    source.execute(f"CREATE TABLE {busy} (id int PRIMARY KEY, v text)")
+    source.execute(f"CREATE TABLE {parted} (id int PRIMARY KEY, v text) PARTITION BY RANGE (id)")
+    source.execute(f"CREATE TABLE {parted}_low PARTITION OF {parted} FOR VALUES FROM (0) TO (1000000)")
+    source.execute(f"CREATE TABLE {parted}_high PARTITION OF {parted} FOR VALUES FROM (1000000) TO (MAXVALUE)")
+    for name in (quiet, busy, parted):
+        source.execute(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, 50) g")
+    tables = [quiet, busy, parted]
+    pipeline = source.pipeline(source.config(tables))
+    pipeline.snapshot()
+
+    # Writes all through the check, one transaction at a time (statistics reach other sessions
+    # within about a second of a commit).
+    done = threading.Event()
+
+    def write() -> None:
+        with psycopg.connect(source.conninfo, autocommit=True) as conn:
+            for i in itertools.count(2_000_000):
+                if done.is_set():
+                    return
+                conn.execute(f"INSERT INTO {busy} VALUES (%s, 'during')", (i,))
+                conn.execute(f"INSERT INTO {parted} VALUES (%s, 'during')", (i,))
+                time.sleep(0.05)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        time.sleep(1.0)
+        reports = dict(pipeline.check_tables(tables))
+    finally:
+        done.set()
+        writer.join()
+    assert not any(isinstance(report, Exception) for report in reports.values()), reports
+    for name in (busy, parted):
+        report = reports[name]
+        assert isinstance(report, TableCheckReport) and report.content.diff is not None
+        assert report.content.source_written_during_check and not report.content.conclusive, name
+    still = reports[quiet]
+    assert isinstance(still, TableCheckReport) and still.content.diff is not None and still.content.diff.ok
+    assert not still.content.source_written_during_check and still.content.conclusive

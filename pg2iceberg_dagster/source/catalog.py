@@ -12,7 +12,7 @@ from psycopg import sql
 from ..config import PostgresConnection, TableConfig
 from ..errors import Pg2IcebergError, StartupCheckError
 from .connection import connect
-from .partitions import leaf_files, leaves
+from .partitions import leaf_files, leaves, row_holders
 from .xid_snapshot import imported_snapshot
 
 TEXT_OID = 25
@@ -386,10 +386,10 @@ def table_pages(conn: psycopg.Connection, oid: int) -> int:
 def modification_count(conn: psycopg.Connection, oid: int) -> int:
     """Rows inserted, updated and deleted in the table so far (statistics; lag up to about a second)."""
     row = conn.execute(
-        # A partitioned table's statistics are its partitions' (pg_partition_tree: the table alone otherwise).
-        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables "
-        "WHERE relid IN (SELECT relid FROM pg_partition_tree(%s))",
-        (oid,),
+        # A partitioned table's statistics are its leaves'.
+        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_catalog.pg_stat_user_tables "
+        "WHERE relid = ANY(%s)",
+        (row_holders(conn, oid),),
     ).fetchone()
     return int(row[0]) if row else 0
 

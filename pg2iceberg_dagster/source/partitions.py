@@ -25,17 +25,27 @@ from ..errors import Pg2IcebergError
 from .connection import connect
 from .xid_snapshot import imported_snapshot
 
-_LEAVES = """
-WITH RECURSIVE tree(relid) AS (
-    SELECT inhrelid FROM pg_catalog.pg_inherits WHERE inhparent = %(oid)s
+# The relations under a table that hold its rows: its leaf partitions at every level, or the table
+# itself when it is not partitioned (pg_partition_tree, by contrast, lists nothing for such a table).
+_ROW_HOLDERS = """
+WITH RECURSIVE tree(relid, relkind) AS (
+    SELECT c.oid, c.relkind FROM pg_catalog.pg_class c WHERE c.oid = %(oid)s
     UNION ALL
-    SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN tree t ON i.inhparent = t.relid
+    SELECT c.oid, c.relkind FROM tree t
+    JOIN pg_catalog.pg_inherits i ON i.inhparent = t.relid JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+    WHERE t.relkind = 'p'
 )
+"""
+
+_LEAVES = (
+    _ROW_HOLDERS
+    + """
 SELECT c.oid, n.nspname, c.relname, c.relfilenode, c.relkind
 FROM tree t JOIN pg_catalog.pg_class c ON c.oid = t.relid JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind <> 'p'
+WHERE t.relkind <> 'p' AND t.relid <> %(oid)s
 ORDER BY n.nspname, c.relname
 """
+)
 
 # Whether a leaf holds a row older than the youngest attachment on its path to the root (a frozen
 # row reads as xid 2, the oldest there is): such a row joined the parent with no WAL change.
@@ -62,6 +72,13 @@ class Leaf:
     @property
     def qualified(self) -> str:
         return f"{self.schema_name}.{self.table_name}"
+
+
+def row_holders(conn: psycopg.Connection, oid: int) -> list[int]:
+    """The oids of the relations holding the table's rows: a partitioned table's leaves, or the table."""
+    return [
+        relid for (relid,) in conn.execute(_ROW_HOLDERS + "SELECT relid FROM tree WHERE relkind <> 'p'", {"oid": oid})
+    ]
 
 
 def leaves(conn: psycopg.Connection, oid: int) -> list[Leaf]:
