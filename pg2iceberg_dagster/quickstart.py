@@ -170,7 +170,10 @@ def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: 
     env = {**os.environ, "PG2ICEBERG_CONFIG": str(config_path.resolve()), "DAGSTER_HOME": str(dagster_home)}
     print(f"live writes running; Dagster UI on http://127.0.0.1:{ui_port} (Ctrl-C stops)")
     # Its own session: dagster dev shuts down its process group. Ctrl-C or SIGTERM here is handed
-    # on to it; PostgreSQL keeps running for the next session.
+    # on to it; PostgreSQL keeps running for the next session. A shell starting this in the background
+    # ignores SIGINT for it, and an ignored signal stays ignored across exec: dagster dev would never
+    # stop. With a handler here, the child starts with SIGINT at its default (Python's Ctrl-C).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dagster = subprocess.Popen(
         dagster_dev_command(ui_port),
         env=env,

@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,8 @@ import pytest
 import yaml
 from dagster import AssetKey, DagsterInstance
 
-from pg2iceberg_dagster.embedded import free_port
+from pg2iceberg_dagster.config import load_config
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.materializer.warm_spark import stop_server
 from pg2iceberg_dagster.quickstart import dagster_dev_command
 
@@ -105,3 +108,57 @@ def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
     rows = {r["id"]: r["v"] for r in pipeline.catalog.load_table(f"{name}_public.orders").scan().to_arrow().to_pylist()}
     assert rows[100000] == "written while dagster runs" and rows[1] == "updated"
     assert_mirrored(pipeline)
+
+
+def test_quickstart_dagster_started_in_the_background_stops_on_sigterm(tmp_path: Path) -> None:
+    """`quickstart --dagster` started where SIGINT is ignored (a shell's background job, which its
+    children inherit) stops with its `dagster dev` on SIGTERM, what `kill` or a supervisor sends."""
+    root = tmp_path / "quickstart"
+    ui_port = free_port()
+    command = [sys.executable, "-m", "pg2iceberg_dagster.cli", "quickstart", "--dagster", "--dir", str(root)]
+    command += ["--port", str(free_port()), "--ui-port", str(ui_port), "--rows", "1000"]
+    process = subprocess.Popen(
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command],  # SIGINT ignored, as for a background job
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    dagster_pids: list[int] = []
+    try:
+        _wait(lambda: _answers(f"http://127.0.0.1:{ui_port}/server_info"), "the Dagster UI", root)
+        dagster_pids = [
+            int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        ]
+        assert dagster_pids, "dagster dev runs as the quickstart's child"
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+        # dagster dev leads its own session; every process of it is gone.
+        deadline = time.monotonic() + 60
+        while any(_group_alive(pid) for pid in dagster_pids) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not any(_group_alive(pid) for pid in dagster_pids), "dagster dev's processes outlived the quickstart"
+    finally:
+        for group in [process.pid, *dagster_pids]:
+            if _group_alive(group):
+                os.killpg(group, signal.SIGKILL)
+        process.wait()
+        EmbeddedPostgres(root / "pg", port=0).stop()
+        if (root / "pg2iceberg.yaml").exists():
+            stop_server(load_config(root / "pg2iceberg.yaml"))
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
