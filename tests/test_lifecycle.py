@@ -129,7 +129,7 @@ def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(source: S
 
 def test_a_schema_entry_mirrors_its_tables_and_those_created_later(source: SourceDb, tmp_path: Path) -> None:
     """``tables: [{schema: app, exclude: [tmp_*]}]`` mirrors the schema's keyed tables (a partitioned
-    one through its parent; a keyless one is left out with a warning); a table created there while
+    one through its parent; a keyless or an UNLOGGED one is left out with a warning); a table created there while
     ``run`` runs is mirrored without touching the config, and one dropped there stops being mirrored."""
     source.execute("CREATE SCHEMA app")
     for statement in [
@@ -138,6 +138,7 @@ def test_a_schema_entry_mirrors_its_tables_and_those_created_later(source: Sourc
         "CREATE TABLE app.parted_1 PARTITION OF app.parted FOR VALUES FROM (0) TO (100)",
         "CREATE TABLE app.parted_2 PARTITION OF app.parted FOR VALUES FROM (100) TO (MAXVALUE)",
         "CREATE TABLE app.keyless (v text)",
+        "CREATE UNLOGGED TABLE app.scratchpad (id int PRIMARY KEY)",
         "CREATE TABLE app.tmp_scratch (id int PRIMARY KEY)",
         "INSERT INTO app.a SELECT g, 'a' FROM generate_series(1, 300) g",
         "INSERT INTO app.parted SELECT g, 'p' FROM generate_series(1, 300) g",

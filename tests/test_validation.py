@@ -12,7 +12,7 @@ from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.errors import Pg2IcebergError, SlotBusyError, StartupCheckError, UnsupportedTypeError
 from pg2iceberg_dagster.source.replication import ReplicationStream
 
-from .conftest import SourceDb
+from .conftest import SourceDb, assert_mirrored
 
 
 def _table(source: SourceDb, ddl: str = "CREATE TABLE public.t (id int PRIMARY KEY, v text)") -> None:
@@ -117,3 +117,50 @@ def test_wal_level_and_unreachable_server(tmp_path: Path, source: SourceDb) -> N
     data["source"]["port"] = free_port()
     with pytest.raises(Pg2IcebergError, match=r"cannot connect to postgresql://postgres@127\.0\.0\.1"):
         source.pipeline(parse_config(data)).validate()
+
+
+def test_unlogged_tables_are_refused_by_name(source: SourceDb) -> None:
+    """Logical replication carries no change of an UNLOGGED table (or partition): refused up front."""
+    _table(source, "CREATE UNLOGGED TABLE public.scratch (id int PRIMARY KEY, v text)")
+    _refuses(source, source.config(["public.scratch"]), r"public\.scratch is UNLOGGED.*SET LOGGED")
+    _table(source, "CREATE TABLE public.parted (id int PRIMARY KEY) PARTITION BY RANGE (id)")
+    _table(source, "CREATE TABLE public.parted_1 PARTITION OF public.parted FOR VALUES FROM (0) TO (10)")
+    _table(source, "CREATE UNLOGGED TABLE public.parted_2 PARTITION OF public.parted FOR VALUES FROM (10) TO (20)")
+    _refuses(source, source.config(["public.parted"]), r"partition public\.parted_2 is UNLOGGED")
+
+
+@pytest.mark.usefixtures("spark")
+def test_a_configured_key_must_be_one_postgres_enforces(source: SourceDb) -> None:
+    """``primary_key`` on a table without a declared key: its columns must be NOT NULL and unique by a
+    unique index of PostgreSQL's own (rows sharing a key would become one in Iceberg, and deleting one
+    would delete both there). Once they are, the table mirrors exactly, updates and deletes included."""
+    _table(source, "CREATE TABLE public.events (a int, b int, v text)")
+    source.execute("ALTER TABLE public.events REPLICA IDENTITY FULL")
+    source.execute("INSERT INTO public.events SELECT g % 50, g, 'v' || g FROM generate_series(1, 200) g")
+    keyed_on_a = source.config([{"name": "public.events", "primary_key": ["a"]}])
+    keyed_on_a_b = source.config([{"name": "public.events", "primary_key": ["a", "b"]}])
+    _refuses(source, keyed_on_a, r'primary_key column\(s\) a may be NULL.*ALTER COLUMN "a" SET NOT NULL')
+    source.execute("ALTER TABLE public.events ALTER COLUMN a SET NOT NULL, ALTER COLUMN b SET NOT NULL")
+    _refuses(source, keyed_on_a, r"primary_key \['a'\] is not unique in the source.*CREATE UNIQUE INDEX")
+    # Unique only where b > 0, or only together with b: neither makes a unique on its own.
+    source.execute("CREATE UNIQUE INDEX events_a_positive ON public.events (a, b) WHERE b > 0")
+    _refuses(source, keyed_on_a_b, r"is not unique in the source")
+    source.execute("CREATE UNIQUE INDEX events_a_b ON public.events (a, b)")
+    _refuses(source, keyed_on_a, r"is not unique in the source")
+
+    pipeline = source.pipeline(keyed_on_a_b)
+    pipeline.validate()
+    pipeline.snapshot()
+    source.execute("DELETE FROM public.events WHERE a = 1 AND b = 51")  # another row keeps a = 1
+    source.execute("UPDATE public.events SET v = 'changed' WHERE a = 1")
+    source.execute("INSERT INTO public.events VALUES (1, 1000, 'new')")
+    pipeline.stream(until_caught_up=True)
+    pipeline.materialize()
+    assert_mirrored(pipeline)
+    rows = pipeline.catalog.load_table(f"{source.name}_public.events").scan().to_arrow().to_pylist()
+    assert sorted((r["b"], r["v"]) for r in rows if r["a"] == 1) == [
+        (1, "changed"),
+        (101, "changed"),
+        (151, "changed"),
+        (1000, "new"),
+    ]

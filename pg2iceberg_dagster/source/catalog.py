@@ -276,11 +276,44 @@ def _refuse_generated_key(table: TableConfig, key: Sequence[str], columns: Seque
         )
 
 
+def _refuse_unenforced_key(
+    conn: psycopg.Connection, table: TableConfig, oid: int, key: Sequence[str], attributes: Sequence[Attribute]
+) -> None:
+    """A configured key must be what PostgreSQL enforces: NOT NULL columns (Iceberg's key columns hold
+    no NULL) with a unique index or constraint on some of them. Rows sharing a key would be folded into
+    one in Iceberg, and deleting one would delete them all there."""
+
+    def quoted(name: str) -> str:
+        return sql.Identifier(name).as_string(conn)
+
+    nullable = [attribute.name for attribute in attributes if attribute.name in key and not attribute.not_null]
+    if nullable:
+        columns = ", ".join(f"ALTER COLUMN {quoted(name)} SET NOT NULL" for name in nullable)
+        raise StartupCheckError(
+            f"{table.key}: primary_key column(s) {', '.join(nullable)} may be NULL, and an Iceberg key column "
+            f"cannot; run ALTER TABLE {table.name} {columns}"
+        )
+    names = {attribute.attnum: attribute.name for attribute in attributes}
+    unique_indexes = conn.execute(
+        # Plain unique indexes only: a partial one or one on expressions does not make the columns unique.
+        "SELECT (indkey::int2[])[0:indnkeyatts - 1] FROM pg_catalog.pg_index "
+        "WHERE indrelid = %s AND indisunique AND indisvalid AND indpred IS NULL AND indexprs IS NULL",
+        (oid,),
+    ).fetchall()
+    if not any({names.get(attnum) for attnum in attnums} <= set(key) for (attnums,) in unique_indexes):
+        columns = ", ".join(quoted(name) for name in key)
+        raise StartupCheckError(
+            f"{table.key}: primary_key {list(key)} is not unique in the source (no unique index or constraint "
+            f"on these columns), and rows sharing a key would become one row in Iceberg; run CREATE UNIQUE "
+            f"INDEX ON {table.name} ({columns}), or set primary_key to columns that are unique"
+        )
+
+
 def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
     """Columns, key and identity of a configured table; refuses missing tables and tables without a key."""
     row = conn.execute(
         """
-        SELECT c.oid, c.relkind, c.relreplident FROM pg_class c
+        SELECT c.oid, c.relkind, c.relreplident, c.relpersistence FROM pg_class c
         JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname = %s AND c.relname = %s
         """,
@@ -288,10 +321,15 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     ).fetchone()
     if row is None:
         raise StartupCheckError(f"table {table.key} does not exist in the source database")
-    oid, relkind, replident = row
+    oid, relkind, replident, persistence = row
     if relkind not in ("r", "p"):
         raise StartupCheckError(
             f"{table.key} is not a table (relkind {relkind!r}); only ordinary and partitioned tables are replicated"
+        )
+    if persistence == "u":
+        raise StartupCheckError(
+            f"{table.key} is UNLOGGED: its changes are not written to the WAL, so logical replication cannot "
+            f"carry them; run ALTER TABLE {table.name} SET LOGGED, or remove {table.key} from the config"
         )
     if relkind == "p":
         try:
@@ -323,6 +361,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
                 f"{table.key}: primary_key {list(key)} is not the declared primary key, so updates and "
                 f"deletes would not carry it; run ALTER TABLE {table.name} REPLICA IDENTITY FULL"
             )
+        _refuse_unenforced_key(conn, table, oid, key, attributes)
     elif declared_key:
         key = declared_key
     else:

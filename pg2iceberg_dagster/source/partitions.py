@@ -40,7 +40,7 @@ WITH RECURSIVE tree(relid, relkind) AS (
 _LEAVES = (
     _ROW_HOLDERS
     + """
-SELECT c.oid, n.nspname, c.relname, c.relfilenode, c.relkind
+SELECT c.oid, n.nspname, c.relname, c.relfilenode, c.relkind, c.relpersistence
 FROM tree t JOIN pg_catalog.pg_class c ON c.oid = t.relid JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE t.relkind <> 'p' AND t.relid <> %(oid)s
 ORDER BY n.nspname, c.relname
@@ -83,13 +83,19 @@ def row_holders(conn: psycopg.Connection, oid: int) -> list[int]:
 
 def leaves(conn: psycopg.Connection, oid: int) -> list[Leaf]:
     """The leaf partitions under ``oid`` at every level, by name; empty for a table that is no parent.
-    A foreign-table leaf is refused: logical replication sends none of its changes."""
+    A foreign-table or UNLOGGED leaf is refused: logical replication sends none of its changes."""
     found = []
-    for leaf_oid, schema_name, table_name, file_node, relkind in conn.execute(_LEAVES, {"oid": oid}):
+    for leaf_oid, schema_name, table_name, file_node, relkind, persistence in conn.execute(_LEAVES, {"oid": oid}):
         if relkind != "r":
             raise Pg2IcebergError(
                 f"partition {schema_name}.{table_name} is not an ordinary table (relkind {relkind!r}): logical "
                 "replication does not send its changes"
+            )
+        if persistence == "u":
+            name = sql.Identifier(schema_name, table_name).as_string(conn)
+            raise Pg2IcebergError(
+                f"partition {schema_name}.{table_name} is UNLOGGED: logical replication does not send its changes "
+                f"(ALTER TABLE {name} SET LOGGED)"
             )
         found.append(Leaf(leaf_oid, schema_name, table_name, file_node))
     return found
