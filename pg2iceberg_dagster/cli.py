@@ -46,7 +46,17 @@ def cmd_validate(pipeline: Pipeline, args: argparse.Namespace) -> int:
     print(f"    slot {pipeline.config.replication.slot}: {'exists' if report.slot else 'not created yet'}")
     for key, table in report.tables.items():
         print(f"    {key}: {len(table.columns)} columns, primary key ({', '.join(table.primary_key)})")
+    _print_no_longer_configured(pipeline.no_longer_configured())
     return 0
+
+
+def _print_no_longer_configured(keys: list[str]) -> None:
+    """Tables still mirrored that the config no longer names, and how they are let go."""
+    for key in keys:
+        print(
+            f"    {key}: no longer configured, still in the publication and the coordination state until "
+            f"`pg2iceberg-dagster cleanup --table {key}` (Dagster's snapshot planner sensor does it on its own)"
+        )
 
 
 def cmd_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
@@ -214,6 +224,7 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
             else ""
         )
         print(f"{t.table}: snapshot {snap}; {lag}{resync}{files}")
+    _print_no_longer_configured(status["no_longer_configured"])
     return 0
 
 

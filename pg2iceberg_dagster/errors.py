@@ -33,8 +33,8 @@ class ResyncRequiredError(SchemaChangeError):
 
     def __init__(self, table_key: str, reason: str) -> None:
         super().__init__(
-            f"{table_key}: {reason}. Nothing was written. The table is resynced online: `pg2iceberg-dagster "
-            f"resync --table {table_key}` (`run` and Dagster do it on their own unless materialize.auto_resync is off)"
+            f"{table_key}: {reason}. Nothing was written. Resync the table online: run `pg2iceberg-dagster "
+            f"resync --table {table_key}` (`run` and Dagster do so on their own unless materialize.auto_resync is off)"
         )
         self.table_key = table_key
         self.reason = reason

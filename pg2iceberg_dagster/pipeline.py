@@ -576,15 +576,17 @@ class Pipeline:
         """Stop mirroring the tables the coordination state holds but the config no longer names (see
         cleanup.remove_tables; their Iceberg tables are kept: only the config could name them); returns
         their entries."""
-        self.store.migrate()
-        configured = {table.key for table in self.config.tables}
         # A key is "schema.table" unquoted: split at the first dot (a schema name holding one is misread).
-        removed = [
-            TableConfig.named(*key.split(".", 1)) for key in sorted(self.store.table_states()) if key not in configured
-        ]
+        removed = [TableConfig.named(*key.split(".", 1)) for key in self.no_longer_configured()]
         if removed:
             remove_tables(self.config, self.store, self.catalog, removed, drop_iceberg=False)
         return removed
+
+    def no_longer_configured(self) -> list[str]:
+        """The keys of the tables the coordination state holds but the config no longer names."""
+        self.store.migrate()
+        configured = {table.key for table in self.config.tables}
+        return sorted(key for key in self.store.table_states() if key not in configured)
 
     def status(self) -> dict[str, Any]:
         """Replication and per-table progress, as plain data."""
@@ -622,6 +624,7 @@ class Pipeline:
             # A holder keeping an exported snapshot open (the source's xmin is held back meanwhile).
             "snapshot_holder": {"epoch": held.epoch} if held else None,
             "tables": tables,
+            "no_longer_configured": self.no_longer_configured(),
         }
 
 

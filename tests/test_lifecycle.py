@@ -94,7 +94,9 @@ def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceD
         assert not staged_after & staged_before
 
 
-def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(source: SourceDb, tmp_path: Path) -> None:
+def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(
+    source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Outside ``run``: after a table leaves the config, ``cleanup --table`` takes it out of the
     publication and deletes its state and staged log; the other table keeps streaming exactly."""
     for name in ("a", "b"):
@@ -108,8 +110,17 @@ def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(source: S
     only_a = source.config(["public.a"])
     path = tmp_path / "pg2iceberg.yaml"
     _write(path, only_a)
+    # validate and status say what is left of it, and the command that lets it go.
+    for command in ("validate", "status"):
+        capsys.readouterr()
+        assert main(["-c", str(path), command]) == 0
+        out = capsys.readouterr().out
+        assert "public.b: no longer configured" in out and "cleanup --table public.b" in out, out
     assert main(["-c", str(path), "cleanup", "--table", "public.b"]) == 0
     assert _published(source, only_a) == {"public.a"}
+    capsys.readouterr()
+    assert main(["-c", str(path), "status"]) == 0
+    assert "no longer configured" not in capsys.readouterr().out
     with Pipeline(only_a) as probe:
         assert "public.b" not in probe.store.table_states()
         assert probe.store.log_entries("public.b", 0) == []

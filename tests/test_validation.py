@@ -26,6 +26,10 @@ def _refuses(source: SourceDb, config, match: str, error=StartupCheckError) -> N
 
 def test_missing_table_no_key_and_unsupported_type(source: SourceDb) -> None:
     _refuses(source, source.config(["public.nope"]), "public.nope does not exist")
+    _table(source, 'CREATE TABLE public."Mixed" (id int PRIMARY KEY)')
+    _table(source, "CREATE TABLE public.lower (id int PRIMARY KEY)")
+    _refuses(source, source.config(["public.mixed"]), r"case included: did you mean public\.Mixed\?")
+    _refuses(source, source.config(["public.LOWER"]), r"case included: did you mean public\.lower\?")
     _table(source, "CREATE TABLE public.nokey (a int, b text)")
     _refuses(source, source.config(["public.nokey"]), "has no primary key")
     _refuses(source, source.config([{"name": "public.nokey", "primary_key": ["a"]}]), "REPLICA IDENTITY FULL")

@@ -11,6 +11,7 @@ from psycopg import sql
 
 from ..config import PostgresConnection, TableConfig
 from ..errors import Pg2IcebergError, StartupCheckError
+from ..iceberg.terms import quote_column
 from .connection import connect
 from .partitions import leaf_files, leaves, row_holders
 from .xid_snapshot import imported_snapshot
@@ -309,6 +310,23 @@ def _refuse_unenforced_key(
         )
 
 
+def _near_names(conn: psycopg.Connection, table: TableConfig) -> str:
+    """A hint naming the tables whose names differ from the configured one only in case: names in the
+    config are exact (like quoted SQL names), where SQL folds an unquoted name to lower case."""
+    rows = conn.execute(
+        """
+        SELECT n.nspname, c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+        WHERE lower(n.nspname) = lower(%s) AND lower(c.relname) = lower(%s) AND c.relkind IN ('r', 'p')
+        ORDER BY 1, 2 LIMIT 5
+        """,
+        (table.schema_name, table.table_name),
+    ).fetchall()
+    if not rows:
+        return ""
+    names = " or ".join(f"{quote_column(schema_name)}.{quote_column(table_name)}" for schema_name, table_name in rows)
+    return f" (names in the config are exact, case included: did you mean {names}?)"
+
+
 def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
     """Columns, key and identity of a configured table; refuses missing tables and tables without a key."""
     row = conn.execute(
@@ -320,7 +338,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
         (table.schema_name, table.table_name),
     ).fetchone()
     if row is None:
-        raise StartupCheckError(f"table {table.key} does not exist in the source database")
+        raise StartupCheckError(f"table {table.name} does not exist in the source database{_near_names(conn, table)}")
     oid, relkind, replident, persistence = row
     if relkind not in ("r", "p"):
         raise StartupCheckError(
