@@ -160,7 +160,7 @@ def ensure_publication(
 
 
 def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupReport:
-    """Run every startup check; raise StartupCheckError on the first breach."""
+    """Run every startup check; raise StartupCheckError on the first breach (naming every refused table)."""
     store.migrate()
     meta = store.pipeline_meta()
     with connect(config.source) as conn:
@@ -206,15 +206,26 @@ def _describe_tables(conn: psycopg.Connection, config: PipelineConfig) -> dict[s
     """Each configured table's columns and key, by key; refuses a table with a type Iceberg cannot hold,
     or a ``partition_by``/``sort_by`` its columns cannot take."""
     resolver = TypeResolver(conn)
-    tables = {t.key: describe_table(conn, t, resolver) for t in config.tables}
-    for table in tables.values():
+    tables: dict[str, SourceTable] = {}
+    refusals: list[StartupCheckError | UnsupportedTypeError] = []  # every table's, so that one run names them all
+    for configured in config.tables:
         try:
-            iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
-        except UnsupportedTypeError as exc:
-            raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
-        problems = layout_problems(config.table(table.key), table.columns)
-        if problems:
-            raise StartupCheckError(f"{table.key}: " + "; ".join(problems))
+            table = describe_table(conn, configured, resolver)
+            try:
+                iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
+            except UnsupportedTypeError as exc:
+                raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
+            problems = layout_problems(configured, table.columns)
+            if problems:
+                raise StartupCheckError(f"{table.key}: " + "; ".join(problems))
+        except (StartupCheckError, UnsupportedTypeError) as exc:
+            refusals.append(exc)
+            continue
+        tables[table.key] = table
+    if len(refusals) == 1:
+        raise refusals[0]
+    if refusals:
+        raise StartupCheckError(f"{len(refusals)} tables refused:\n" + "\n".join(f"  - {exc}" for exc in refusals))
     return tables
 
 

@@ -35,6 +35,13 @@ def test_missing_table_no_key_and_unsupported_type(source: SourceDb) -> None:
     _refuses(source, source.config([{"name": "public.nokey", "primary_key": ["a"]}]), "REPLICA IDENTITY FULL")
     _table(source, "CREATE TABLE public.wide (id int PRIMARY KEY, n numeric(50, 2))")
     _refuses(source, source.config(["public.wide"]), "numeric\\(50,2\\).*does not fit", UnsupportedTypeError)
+    # Every refused table at once, not one per attempt.
+    _refuses(
+        source,
+        source.config(["public.nope", "public.mixed", "public.nokey", "public.wide", "public.lower"]),
+        r"(?s)^4 tables refused:\n  - table public\.nope does not exist.*\n  - table public\.mixed does not exist.*"
+        r"\n  - public\.nokey has no primary key.*\n  - public\.wide: .*numeric\(50,2\)",
+    )
 
 
 def test_publication_checks(source: SourceDb) -> None:
