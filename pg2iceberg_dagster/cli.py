@@ -132,7 +132,13 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
     # A pipeline per version of the config file it follows (``pipeline`` is the first one's config).
-    run_following_config(args.config, _stop_on_signals(), metrics_port=args.metrics_port)
+    tables = len(pipeline.config.tables)
+    print(f"run: mirroring {tables} tables on slot {pipeline.config.replication.slot}; Ctrl-C stops", flush=True)
+
+    def progress(line: str) -> None:
+        print(f"run: {line}", flush=True)
+
+    run_following_config(args.config, _stop_on_signals(), metrics_port=args.metrics_port, on_progress=progress)
     return 0
 
 

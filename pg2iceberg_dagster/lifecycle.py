@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from .cleanup import remove_tables
@@ -83,9 +84,15 @@ class ConfigWatch:
                 self.changed.set()
 
 
-def run_following_config(path: str | os.PathLike[str], stop: threading.Event, metrics_port: int | None = None) -> None:
+def run_following_config(
+    path: str | os.PathLike[str],
+    stop: threading.Event,
+    metrics_port: int | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> None:
     """``run`` with the config at ``path``, following its changes until ``stop`` is set. Metrics are
-    served on ``metrics_port`` (default ``metrics.port`` as the config says at start) throughout."""
+    served on ``metrics_port`` (default ``metrics.port`` as the config says at start) throughout;
+    ``on_progress`` gets ``run``'s lines on what it merged."""
     loaded = load_config(path)
     config = resolve_tables(loaded)
     with serve_metrics(config, metrics_port) as metrics:
@@ -93,7 +100,7 @@ def run_following_config(path: str | os.PathLike[str], stop: threading.Event, me
             metrics.follow(config)
             watch = ConfigWatch(path, loaded, config, stop)
             with Pipeline(config, detached_holder=True, metrics=metrics) as pipeline:
-                pipeline.run(watch.changed)
+                pipeline.run(watch.changed, on_progress=on_progress)
                 if stop.is_set() or watch.new_config is None:
                     return
                 new = watch.new_config

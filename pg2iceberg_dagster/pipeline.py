@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,9 @@ STATS_DELAY_SECONDS = 1.5
 # A content check that found a difference waits this long at most for the flusher to stage past the
 # comparison, to tell a change still in flight from a difference the mirror should not have.
 IN_FLIGHT_WAIT_SECONDS = 10.0
+
+# How often ``run`` reports what it merged (see Pipeline.run's ``on_progress``).
+PROGRESS_SECONDS = 60.0
 # How often ``run`` looks for tables due for maintenance (a query, and one metadata read per merged table).
 UPKEEP_CHECK_SECONDS = 30.0
 
@@ -469,8 +472,11 @@ class Pipeline:
         described = f"{key_slice.describe()} ({checks.compare_max_rows:,} of about {rows:,} rows)"
         return _CheckScope(key_slice, rows > checks.unique_keys_max_rows, described)
 
-    def run(self, stop: threading.Event, interval: float | None = None) -> None:
-        """Everything in one process: snapshot, then stream in a thread while merging.
+    def run(
+        self, stop: threading.Event, interval: float | None = None, on_progress: Callable[[str], None] | None = None
+    ) -> None:
+        """Everything in one process: snapshot, then stream in a thread while merging; ``on_progress``
+        is given a line on what was merged and what lags every :data:`PROGRESS_SECONDS`.
 
         A merge starts as soon as the flusher has staged something (and at least every ``interval``
         seconds, default ``materialize.interval_seconds``), and while no merge runs the flusher stages
@@ -506,11 +512,13 @@ class Pipeline:
         upkeep = _Upkeep(self.maintainer(), self.metrics) if self.config.maintenance.enabled else None
         copies = _CopyWorker(self.config)
         wait = interval if interval is not None else self.config.materialize.interval_seconds
+        progress = _Progress(self.store, self.config.materialize.group, on_progress)
         try:
             while not stop.is_set():
                 staged.clear()  # a flush during the merge below sets it again: merge right after
                 results = materializer.run_once()
                 self.metrics.record_merges(results)
+                progress.after_merges(results)
                 if upkeep is not None:
                     upkeep.after_merges(results)
                 copies.start_next(
@@ -626,6 +634,38 @@ class Pipeline:
             "tables": tables,
             "no_longer_configured": self.no_longer_configured(),
         }
+
+
+class _Progress:
+    """What ``run`` merged over the last :data:`PROGRESS_SECONDS`, and what lags, as one line."""
+
+    def __init__(self, store: CoordinationStore, group: str, on_progress: Callable[[str], None] | None) -> None:
+        self.store = store
+        self.group = group
+        self.on_progress = on_progress
+        self.since = time.monotonic()
+        self.changes = 0
+        self.tables: set[str] = set()
+
+    def after_merges(self, results: dict[str, MergeResult]) -> None:
+        for key, result in results.items():
+            if result.changes:
+                self.changes += result.changes
+                self.tables.add(key)
+        elapsed = time.monotonic() - self.since
+        if self.on_progress is None or elapsed < PROGRESS_SECONDS:
+            return
+        lagging = {key: (lag, age) for key, (lag, age) in self.store.lags(self.group).items() if lag.changes}
+        behind = (
+            f"{len(lagging)} tables lag by {sum(lag.changes for lag, _ in lagging.values()):,} changes, the oldest "
+            f"staged {max(age for _, age in lagging.values()):.1f} s ago"
+            if lagging
+            else "no table lags"
+        )
+        self.on_progress(
+            f"merged {self.changes:,} changes into {len(self.tables)} tables in the last {elapsed:.0f} s; {behind}"
+        )
+        self.since, self.changes, self.tables = time.monotonic(), 0, set()
 
 
 class _CopyWorker:

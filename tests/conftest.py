@@ -220,10 +220,10 @@ def running(path: Path, metrics_port: int | None = None) -> Iterator[list[BaseEx
 
 
 def pipeline_running(
-    pipeline: Pipeline, interval: float | None = None
+    pipeline: Pipeline, interval: float | None = None, on_progress: Callable[[str], None] | None = None
 ) -> contextlib.AbstractContextManager[list[BaseException]]:
     """``pipeline.run`` in a thread until the block ends; yields the list of errors it raised."""
-    return _in_thread(lambda stop: pipeline.run(stop, interval))
+    return _in_thread(lambda stop: pipeline.run(stop, interval, on_progress))
 
 
 def assert_mirrored(pipeline: Pipeline) -> None:

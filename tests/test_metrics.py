@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import time
 import urllib.request
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from definitions import build_definitions
 from pg2iceberg_dagster import metrics as metrics_module
+from pg2iceberg_dagster import pipeline as pipeline_module
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.embedded import free_port
@@ -29,7 +31,7 @@ from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.source.lsn import parse_lsn
 from resources import Pg2IcebergResource
 
-from .conftest import SourceDb, assert_mirrored, running, sync
+from .conftest import SourceDb, assert_mirrored, pipeline_running, running, sync
 
 TABLE = "public.orders"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -272,3 +274,37 @@ def test_the_flusher_sensors_process_serves_metrics_once(
     finally:
         for metrics in served:
             metrics.close()
+
+
+@pytest.mark.usefixtures("spark")
+def test_run_says_what_it_merged_and_what_lags(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` prints a line on what it merged every minute (here every second): the changes it
+    counts are the ones written, and once merged nothing lags."""
+    source.execute("CREATE TABLE public.progress (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.progress SELECT g, 'v' FROM generate_series(1, 10) g")
+    monkeypatch.setattr(pipeline_module, "PROGRESS_SECONDS", 1.0)
+    pipeline = source.pipeline(source.config(["public.progress"]))
+    lines: list[str] = []
+
+    def merged() -> int:
+        return sum(int(m.group(1).replace(",", "")) for m in map(_MERGED.match, lines) if m)
+
+    with pipeline_running(pipeline, interval=0.5, on_progress=lines.append) as errors:
+        _wait_until(lambda: bool(lines) or bool(errors), "run's first progress line")
+        source.execute("INSERT INTO public.progress SELECT g, 'new' FROM generate_series(100, 129) g")
+        source.execute("UPDATE public.progress SET v = 'changed' WHERE id <= 5")
+        _wait_until(lambda: (merged() >= 35 and lines[-1].endswith("no table lags")) or bool(errors), "the merge")
+    assert not errors, errors
+    assert merged() == 35, lines
+    assert any(_MERGED.match(line) and "into 1 tables" in line for line in lines), lines
+    assert_mirrored(pipeline)
+
+
+_MERGED = re.compile(r"merged ([\d,]+) changes into \d+ tables in the last \d+ s; ")
+
+
+def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
