@@ -74,6 +74,15 @@ def _check_server(conn: psycopg.Connection) -> None:
     if not privileged or not privileged[0]:
         user = conn.execute("SELECT current_user").fetchone()[0]  # type: ignore[index]
         raise StartupCheckError(f"role {user} lacks the REPLICATION privilege; run ALTER ROLE {user} REPLICATION")
+    encoding = conn.execute("SHOW server_encoding").fetchone()[0]  # type: ignore[index]
+    if encoding == "SQL_ASCII":
+        # PostgreSQL converts any other encoding to UTF-8 for us; SQL_ASCII text is bytes of no known
+        # encoding, so a value that is not UTF-8 could only be mangled, or stop the flusher.
+        raise StartupCheckError(
+            "the source database's encoding is SQL_ASCII: its text has no declared encoding, so it cannot be "
+            "converted to the UTF-8 Iceberg strings hold; move the data to a UTF8 database (pg_dump, then "
+            "restore into one created WITH ENCODING 'UTF8') and mirror that"
+        )
 
 
 def _cleanup_tables(keys: list[str]) -> str:

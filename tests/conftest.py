@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pytest
+from psycopg import sql
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.coordination.store import Chunk
@@ -120,10 +121,17 @@ def base_config(
 class SourceDb:
     """A fresh source database for one test, with helpers to run SQL and build pipelines."""
 
-    def __init__(self, pg: EmbeddedPostgres, workdir: Path) -> None:
+    def __init__(self, pg: EmbeddedPostgres, workdir: Path, encoding: str | None = None) -> None:
         self.pg = pg
         self.workdir = workdir
         self.name = f"t{uuid.uuid4().hex[:10]}"
+        if encoding is not None:  # another server encoding than the cluster's (UTF8)
+            with psycopg.connect(pg.conninfo(), autocommit=True) as conn:
+                conn.execute(
+                    sql.SQL("CREATE DATABASE {} ENCODING {} LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0").format(
+                        sql.Identifier(self.name), sql.Literal(encoding)
+                    )
+                )
         pg.create_database(self.name)
         self.conninfo = pg.conninfo(self.name)
         self._pipelines: list[Pipeline] = []
@@ -280,7 +288,8 @@ def footprint(config: PipelineConfig, staged: bool = True) -> dict[str, Any]:
     from pg2iceberg_dagster.staging.store import ObjectStore
 
     result: dict[str, Any] = {}
-    with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
+    # UTF-8 names whatever the database's encoding (in SQL_ASCII psycopg would return bytes).
+    with psycopg.connect(config.source.conninfo(client_encoding="UTF8"), autocommit=True) as conn:
         result["slot"] = conn.execute(
             "SELECT confirmed_flush_lsn::text, restart_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
             (config.replication.slot,),
@@ -294,7 +303,7 @@ def footprint(config: PipelineConfig, staged: bool = True) -> dict[str, Any]:
                 "SELECT 1 FROM pg_publication WHERE pubname = %s", (config.replication.publication,)
             ).fetchall()
         )
-    with psycopg.connect(config.state_connection.conninfo(), autocommit=True) as conn:
+    with psycopg.connect(config.state_connection.conninfo(client_encoding="UTF8"), autocommit=True) as conn:
         tables = [
             name
             for (name,) in conn.execute(

@@ -11,8 +11,12 @@ from ..config import PostgresConnection
 from ..errors import Pg2IcebergError
 
 # Text forms must not depend on server or role defaults: the snapshot (COPY text) and the WAL
-# (pgoutput text) are parsed alike, timestamps with an explicit UTC offset, floats exactly.
-SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
+# (pgoutput text) are parsed alike, timestamps with an explicit UTC offset, floats exactly. Text
+# arrives as UTF-8 whatever the database's encoding (a LATIN1 database's walsender and COPY convert
+# it; Iceberg strings are UTF-8): left at the server default it would arrive in that encoding.
+SESSION_OPTIONS = (
+    "-c client_encoding=UTF8 -c datestyle=ISO,YMD -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
+)
 
 
 def connect(target: PostgresConnection, *, autocommit: bool = True, replication: bool = False) -> psycopg.Connection:
