@@ -33,7 +33,7 @@ def test_latin1_text_replicates_as_the_same_characters(latin1: SourceDb) -> None
     assert latin1.execute("SHOW server_encoding") == [("LATIN1",)]
     latin1.execute("CREATE TYPE public.stimmung AS ENUM ('fröhlich', 'müde')")
     latin1.execute(
-        'CREATE TABLE public.people (id int PRIMARY KEY, name text, note varchar(20), code char(6), tags text[], '
+        "CREATE TABLE public.people (id int PRIMARY KEY, name text, note varchar(20), code char(6), tags text[], "
         'doc jsonb, mood public.stimmung, "größe" int)'
     )
     latin1.execute(

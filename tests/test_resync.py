@@ -216,3 +216,36 @@ def test_a_retype_between_two_merges_and_a_narrowing_are_resynced(source: Source
     assert_mirrored(pipeline)
     iceberg = pipeline.catalog.load_table(f"{source.name}_public.items")
     assert str(iceberg.schema().find_field("v").field_type) == "float"
+
+
+def test_a_replica_identity_without_the_key_set_while_mirroring_resyncs_once_it_carries_it(source: SourceDb) -> None:
+    """``REPLICA IDENTITY USING INDEX`` on an index without the primary key, set after startup: deletes
+    then carry the index's columns only. The merge requests a resync instead of failing on them (the
+    other table still merges), the resync refuses while the identity lacks the key, and once it is
+    back to DEFAULT the resync makes the table equal to the source."""
+    source.execute("CREATE TABLE public.acct (id int PRIMARY KEY, email text NOT NULL, v text)")
+    source.execute("CREATE UNIQUE INDEX acct_email ON public.acct (email)")
+    source.execute("INSERT INTO public.acct SELECT g, 'e' || g, 'v' FROM generate_series(1, 20) g")
+    source.execute("CREATE TABLE public.other (id int PRIMARY KEY, v text)")
+    pipeline = source.pipeline(source.config(["public.acct", "public.other"]))
+    pipeline.snapshot()
+    source.execute("ALTER TABLE public.acct REPLICA IDENTITY USING INDEX acct_email")
+    source.execute("DELETE FROM public.acct WHERE id = 3")
+    source.execute("UPDATE public.acct SET id = 100 WHERE id = 5")
+    source.execute("INSERT INTO public.other VALUES (1, 'merged')")
+    pipeline.stream(until_caught_up=True)
+    results = pipeline.materialize()
+    assert "does not carry the key column(s) id" in (results["public.acct"].resync_reason or "")
+    assert results["public.other"].changes == 1
+    with pytest.raises(Exception, match="REPLICA IDENTITY USING INDEX acct_email does not carry the key"):
+        pipeline.resync("public.acct")
+    source.execute("ALTER TABLE public.acct REPLICA IDENTITY DEFAULT")
+    source.execute("DELETE FROM public.acct WHERE id = 7")
+    pipeline.resync("public.acct")
+    source.execute("UPDATE public.acct SET v = 'after' WHERE id = 8")
+    sync(pipeline)
+    assert pipeline.resyncs_pending() == {}
+    assert [row["id"] for row in _rows(pipeline, source, "acct")] == [
+        id_ for (id_,) in source.execute("SELECT id FROM public.acct ORDER BY id")
+    ]
+    assert_mirrored(pipeline)

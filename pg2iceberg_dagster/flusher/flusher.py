@@ -314,9 +314,13 @@ class Flusher:
         generated = describe_generated(
             self._catalog_conn, table, attributes, identities, wire_names, key, self._resolver
         )
+        # A replica identity changed since startup (USING INDEX without the key, NOTHING) leaves the key
+        # out of deletes: staged as they come, the merge then asks for a resync (see materializer.merge).
+        flagged = {column.name for column in relation.columns if column.is_key}
+        unkeyed = () if relation.replica_identity == "f" else tuple(name for name in key if name not in flagged)
         return RelationInfo(
             table=table,
-            relation=StagedRelation(table.key, columns, file_node(self._catalog_conn, relation.oid)),
+            relation=StagedRelation(table.key, columns, file_node(self._catalog_conn, relation.oid), unkeyed),
             positions={name: index for index, name in enumerate(wire_names)},
             key=key,
             generated=generated,

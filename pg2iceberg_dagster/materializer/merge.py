@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
-from ..config import PipelineConfig
+from ..config import PipelineConfig, TableConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_lease_within
 from ..coordination.store import Lag, LogEntry, SnapshotEpoch
 from ..errors import Pg2IcebergError, ResyncRequiredError
@@ -50,7 +50,7 @@ from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
-from ..staging.codec import DELETE, changes_of, read_staged
+from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
 from ..staging.store import ObjectStore, merge_batch_prefix
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
@@ -416,6 +416,7 @@ class Materializer:
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.
             newest = staged[-1][0] if staged else None
+            _refuse_unkeyed(self.config.table(table_key), [relation for relation, _ in staged])
             refuse_unfollowable_retypes(table_key, [(relation.columns, relation.file_node) for relation, _ in staged])
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
@@ -648,6 +649,21 @@ class Materializer:
         query): with many lagging tables, the change waiting longest is merged first."""
         ages = {key: age for key, (_lag, age) in self.store.lags(self.group).items()}
         return sorted(table_keys, key=lambda key: -ages.get(key, 0.0))
+
+
+def _refuse_unkeyed(table: TableConfig, relations: list[StagedRelation]) -> None:
+    """Changes staged while the table's replica identity left key columns out (changed at the source
+    after startup): their deletes and key changes cannot be matched to rows, so the table is resynced
+    (which refuses to start until the identity carries the key again; the changes the copy's snapshot
+    shows are then skipped)."""
+    unkeyed = sorted({name for relation in relations for name in relation.unkeyed})
+    if unkeyed:
+        raise ResyncRequiredError(
+            table.key,
+            f"its replica identity was changed at the source to one that does not carry the key column(s) "
+            f"{', '.join(unkeyed)}, so deletes and key changes staged since cannot be matched to their rows; run "
+            f"ALTER TABLE {table.name} REPLICA IDENTITY DEFAULT (or FULL) first",
+        )
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:

@@ -310,6 +310,29 @@ def _refuse_unenforced_key(
         )
 
 
+def _refuse_identity_without_key(
+    conn: psycopg.Connection, table: TableConfig, oid: int, key: Sequence[str], attributes: Sequence[Attribute]
+) -> None:
+    """REPLICA IDENTITY USING INDEX: a DELETE carries that index's columns only, and an UPDATE the old
+    ones only when they change. Unless they include the whole key, a delete could not be matched to its
+    Iceberg row, nor a changed key's old row removed."""
+    names = {attribute.attnum: attribute.name for attribute in attributes}
+    row = conn.execute(
+        "SELECT (indkey::int2[])[0:indnkeyatts - 1], indexrelid::regclass::text FROM pg_catalog.pg_index "
+        "WHERE indrelid = %s AND indisreplident",
+        (oid,),
+    ).fetchone()
+    carried = {names.get(attnum) for attnum in row[0]} if row else set()
+    missing = [name for name in key if name not in carried]
+    if missing:
+        index = row[1] if row else "a dropped index"
+        raise StartupCheckError(
+            f"{table.key}: REPLICA IDENTITY USING INDEX {index} does not carry the key column(s) "
+            f"{', '.join(missing)}, so deletes and key changes could not be matched to their rows; run ALTER TABLE "
+            f"{table.name} REPLICA IDENTITY DEFAULT (or FULL)"
+        )
+
+
 def _near_names(conn: psycopg.Connection, table: TableConfig) -> str:
     """A hint naming the tables whose names differ from the configured one only in case: names in the
     config are exact (like quoted SQL names), where SQL folds an unquoted name to lower case."""
@@ -390,6 +413,8 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
     _refuse_generated_key(table, key, columns)
     if replident == "n":
         raise StartupCheckError(f"{table.key} has REPLICA IDENTITY NOTHING; updates and deletes cannot be replicated")
+    if replident == "i":
+        _refuse_identity_without_key(conn, table, oid, key, attributes)
     return SourceTable(
         key=table.key,
         schema_name=table.schema_name,

@@ -59,18 +59,27 @@ class StagedRelation:
     columns: tuple[SourceColumn, ...]
     # The table's relfilenode when the flusher read this relation (see source.catalog.file_node).
     file_node: int | None = None
+    # Key columns the table's replica identity did not carry then (its deletes lack them).
+    unkeyed: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         data: dict[str, Any] = {"table": self.table, "columns": [c.to_json() for c in self.columns]}
         if self.file_node is not None:
             data["file_node"] = self.file_node
+        if self.unkeyed:
+            data["unkeyed"] = list(self.unkeyed)
         return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StagedRelation:
         data = json.loads(text)
         columns = tuple(SourceColumn.from_json(c) for c in data["columns"])
-        return cls(table=data["table"], columns=columns, file_node=data.get("file_node"))
+        return cls(
+            table=data["table"],
+            columns=columns,
+            file_node=data.get("file_node"),
+            unkeyed=tuple(data.get("unkeyed", ())),
+        )
 
 
 def join_names(names: Sequence[str]) -> str:
