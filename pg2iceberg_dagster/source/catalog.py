@@ -277,6 +277,22 @@ def _refuse_generated_key(table: TableConfig, key: Sequence[str], columns: Seque
         )
 
 
+def _index_columns(
+    conn: psycopg.Connection, oid: int, attributes: Sequence[Attribute], condition: str
+) -> dict[str, set[str | None]]:
+    """The table's indexes matching ``condition`` (a fixed ``pg_index`` predicate), each with the names
+    of its key columns (INCLUDE columns left out; None for an expression)."""
+    names = {attribute.attnum: attribute.name for attribute in attributes}
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT indexrelid::regclass::text, (indkey::int2[])[0:indnkeyatts - 1] FROM pg_catalog.pg_index "
+            "WHERE indrelid = %s AND {}"
+        ).format(sql.SQL(condition)),  # a predicate written in this module, never from config
+        (oid,),
+    ).fetchall()
+    return {index: {names.get(attnum) for attnum in attnums} for index, attnums in rows}
+
+
 def _refuse_unenforced_key(
     conn: psycopg.Connection, table: TableConfig, oid: int, key: Sequence[str], attributes: Sequence[Attribute]
 ) -> None:
@@ -294,14 +310,10 @@ def _refuse_unenforced_key(
             f"{table.key}: primary_key column(s) {', '.join(nullable)} may be NULL, and an Iceberg key column "
             f"cannot; run ALTER TABLE {table.name} {columns}"
         )
-    names = {attribute.attnum: attribute.name for attribute in attributes}
-    unique_indexes = conn.execute(
-        # Plain unique indexes only: a partial one or one on expressions does not make the columns unique.
-        "SELECT (indkey::int2[])[0:indnkeyatts - 1] FROM pg_catalog.pg_index "
-        "WHERE indrelid = %s AND indisunique AND indisvalid AND indpred IS NULL AND indexprs IS NULL",
-        (oid,),
-    ).fetchall()
-    if not any({names.get(attnum) for attnum in attnums} <= set(key) for (attnums,) in unique_indexes):
+    # Plain unique indexes only: a partial one or one on expressions does not make the columns unique.
+    plain_unique = "indisunique AND indisvalid AND indpred IS NULL AND indexprs IS NULL"
+    unique = _index_columns(conn, oid, attributes, plain_unique)
+    if not any(columns <= set(key) for columns in unique.values()):
         columns = ", ".join(quoted(name) for name in key)
         raise StartupCheckError(
             f"{table.key}: primary_key {list(key)} is not unique in the source (no unique index or constraint "
@@ -316,16 +328,11 @@ def _refuse_identity_without_key(
     """REPLICA IDENTITY USING INDEX: a DELETE carries that index's columns only, and an UPDATE the old
     ones only when they change. Unless they include the whole key, a delete could not be matched to its
     Iceberg row, nor a changed key's old row removed."""
-    names = {attribute.attnum: attribute.name for attribute in attributes}
-    row = conn.execute(
-        "SELECT (indkey::int2[])[0:indnkeyatts - 1], indexrelid::regclass::text FROM pg_catalog.pg_index "
-        "WHERE indrelid = %s AND indisreplident",
-        (oid,),
-    ).fetchone()
-    carried = {names.get(attnum) for attnum in row[0]} if row else set()
+    identity = _index_columns(conn, oid, attributes, "indisreplident")
+    carried = set().union(*identity.values())
     missing = [name for name in key if name not in carried]
     if missing:
-        index = row[1] if row else "a dropped index"
+        index = next(iter(identity), "a dropped index")
         raise StartupCheckError(
             f"{table.key}: REPLICA IDENTITY USING INDEX {index} does not carry the key column(s) "
             f"{', '.join(missing)}, so deletes and key changes could not be matched to their rows; run ALTER TABLE "
