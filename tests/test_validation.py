@@ -12,7 +12,7 @@ from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.errors import Pg2IcebergError, SlotBusyError, StartupCheckError, UnsupportedTypeError
 from pg2iceberg_dagster.source.replication import ReplicationStream
 
-from .conftest import SourceDb, assert_mirrored, written_anything
+from .conftest import SourceDb, assert_mirrored, footprint, written_anything
 
 
 def _table(source: SourceDb, ddl: str = "CREATE TABLE public.t (id int PRIMARY KEY, v text)") -> None:
@@ -200,6 +200,40 @@ def test_a_replica_identity_index_must_carry_the_key(source: SourceDb) -> None:
     source.execute("DELETE FROM public.acct WHERE id = 3")
     source.execute("UPDATE public.acct SET id = 100 WHERE id = 5")
     source.execute("UPDATE public.acct SET email = 'moved', v = 'w' WHERE id = 6")
+    pipeline.stream(until_caught_up=True)
+    pipeline.materialize()
+    assert_mirrored(pipeline)
+
+
+@pytest.mark.usefixtures("spark")
+def test_a_least_privilege_role_is_told_each_grant_it_lacks(source: SourceDb) -> None:
+    """A replication role that owns nothing, with the publication made by the DBA: without CREATE on the
+    database (for the coordination schema) and SELECT on a table, each is refused with the GRANT to run,
+    nothing written; granted both, it mirrors the tables exactly."""
+    role = f"rep_{source.name}"
+    _table(source, "CREATE TABLE public.orders (id bigint PRIMARY KEY, v text)")
+    _table(source, "CREATE TABLE public.secret (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.orders SELECT g, 'v' FROM generate_series(1, 300) g")
+    source.execute("INSERT INTO public.secret VALUES (1, 's')")
+    source.execute(f"CREATE ROLE {role} LOGIN REPLICATION")
+    source.execute(f"GRANT SELECT ON public.orders TO {role}")
+    source.execute(f"CREATE PUBLICATION pub_{source.name} FOR TABLE public.orders, public.secret")
+    config = source.config(["public.orders", "public.secret"])
+    data = config.model_dump()
+    data["source"]["user"] = role
+    data["replication"]["create_publication"] = False
+    config = parse_config(data)
+    before = footprint(config)  # the DBA's publication
+    _refuses(source, config, rf'role "{role}" may not create .*GRANT CREATE ON DATABASE "{source.name}" TO "{role}"')
+    assert footprint(config) == before
+    source.execute(f"GRANT CREATE ON DATABASE {source.name} TO {role}")
+    _refuses(source, config, rf'public\.secret: role "{role}" may not read public\.secret; run GRANT SELECT')
+    assert not footprint(config)["slot"]
+    source.execute(f"GRANT SELECT ON public.secret TO {role}")
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    source.execute("UPDATE public.orders SET v = 'w' WHERE id <= 10")
+    source.execute("DELETE FROM public.secret")
     pipeline.stream(until_caught_up=True)
     pipeline.materialize()
     assert_mirrored(pipeline)

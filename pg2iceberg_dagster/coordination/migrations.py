@@ -7,6 +7,9 @@ Each entry is applied once, in order, inside one transaction under an advisory l
 from __future__ import annotations
 
 import psycopg
+from psycopg import sql
+
+from ..errors import StartupCheckError
 
 SCHEMA = "_pg2iceberg"
 
@@ -156,7 +159,21 @@ MIGRATIONS: list[tuple[int, str]] = [
 
 
 def migrate(conn: psycopg.Connection) -> list[int]:
-    """Apply pending migrations; returns the versions applied now."""
+    """Apply pending migrations; returns the versions applied now. A role that may not create or change
+    the coordination schema is refused with the grant it needs."""
+    try:
+        return _migrate(conn)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        user, dbname = (sql.Identifier(name).as_string(conn) for name in (conn.info.user, conn.info.dbname))
+        raise StartupCheckError(
+            f"role {user} may not create or change the coordination tables (schema {SCHEMA}) in database "
+            f"{dbname}: {exc.diag.message_primary}. Run GRANT CREATE ON DATABASE {dbname} TO {user} (or, if "
+            f"{SCHEMA} exists, make {user} its owner), or keep them in another database with the config's `state:` "
+            "section"
+        ) from None
+
+
+def _migrate(conn: psycopg.Connection) -> list[int]:
     applied_now: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('_pg2iceberg.migrations'))")

@@ -357,6 +357,26 @@ def _near_names(conn: psycopg.Connection, table: TableConfig) -> str:
     return f" (names in the config are exact, case included: did you mean {names}?)"
 
 
+def _refuse_unreadable(conn: psycopg.Connection, table: TableConfig, oid: int) -> None:
+    """The snapshot and ``verify`` read the table (a partitioned one's leaves directly): the role needs
+    SELECT on each, or the first chunk would fail after the slot was created."""
+    unreadable = [
+        name
+        for (name,) in conn.execute(
+            "SELECT format('%%I.%%I', n.nspname, c.relname) FROM pg_catalog.pg_class c "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE c.oid = ANY(%s::oid[]) AND NOT has_table_privilege(c.oid, 'SELECT') ORDER BY 1",
+            ([oid, *(holder for holder in row_holders(conn, oid) if holder != oid)],),
+        )
+    ]
+    if unreadable:
+        user = sql.Identifier(conn.info.user).as_string(conn)
+        raise StartupCheckError(
+            f"{table.key}: role {user} may not read {', '.join(unreadable)}; run GRANT SELECT ON "
+            f"{', '.join(unreadable)} TO {user}"
+        )
+
+
 def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
     """Columns, key and identity of a configured table; refuses missing tables and tables without a key."""
     row = conn.execute(
@@ -384,6 +404,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
             leaves(conn, oid)
         except Pg2IcebergError as exc:
             raise StartupCheckError(f"{table.key}: {exc}") from None
+    _refuse_unreadable(conn, table, oid)
     attributes = table_attributes(conn, oid)
     columns = tuple(attribute_column(attribute, resolver) for attribute in attributes)
     declared_key = tuple(
