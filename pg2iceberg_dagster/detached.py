@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from .config import PipelineConfig
+from .errors import Pg2IcebergError
 
 
 def process_alive(pid: int) -> bool:
@@ -69,5 +70,9 @@ def run_detached(work: Callable[[PipelineConfig, threading.Event], None]) -> int
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    work(config, stop)
+    try:
+        work(config, stop)
+    except Pg2IcebergError as exc:  # its starter shows this stderr: the message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     return 0

@@ -138,3 +138,24 @@ def test_chunks_read_without_a_slot_are_refused(
     with pytest.raises(StartupCheckError, match="read without a replication slot"):
         hold_snapshot(config, max_seconds=1)
     assert footprint(config)["slot"] == []
+
+
+def test_no_free_replication_slot_is_a_clear_refusal(
+    source: SourceDb, make_cluster: Callable[..., EmbeddedPostgres]
+) -> None:
+    """Every replication slot taken by others: the snapshot (whose holder creates the slot, in another
+    process) says so and what to do, without a traceback, and the slot is made once one is free."""
+    cluster = make_cluster(conf=["max_replication_slots = 1"])
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO public.t SELECT g, 'v' FROM generate_series(1, 100) g")
+        conn.execute("SELECT pg_create_logical_replication_slot('somebody_else', 'pgoutput')")
+    config = config_on(source, cluster, ["public.t"])
+    with pytest.raises(StartupCheckError) as refused:
+        source.pipeline(config).snapshot()
+    message = str(refused.value)
+    assert "cannot create replication slot" in message and "raise max_replication_slots" in message
+    assert "Traceback" not in message
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('somebody_else')")
+    assert source.pipeline(config).snapshot()["public.t"].rows == 100

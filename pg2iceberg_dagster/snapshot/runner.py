@@ -343,11 +343,11 @@ class SnapshotRunner:
             try:
                 advertised = wait_for_advertised_snapshot(self.store, self.config, alive)
                 if advertised is None:
-                    reason = holder_error(alive)
+                    reason = holder_error(alive).removeprefix("error: ")
+                    why = f": {reason}. Then" if reason else ". Run that command by hand to see why, then"
                     raise StartupCheckError(
                         "no exported snapshot to read under: the snapshot holder "
-                        f"(`pg2iceberg-dagster hold-snapshot`) stopped without one{': ' + reason if reason else ''}. "
-                        "Run that command by hand to see why, then run the snapshot again"
+                        f"(`pg2iceberg-dagster hold-snapshot`) stopped without one{why} run the snapshot again"
                     )
                 yield advertised
             finally:

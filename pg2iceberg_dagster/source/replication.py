@@ -44,6 +44,12 @@ def create_slot_with_snapshot(conn: psycopg.Connection, slot: str) -> CreatedSlo
         ).fetchone()
     except psycopg.errors.DuplicateObject:
         raise StartupCheckError(f"replication slot {slot} already exists") from None
+    except psycopg.errors.ConfigurationLimitExceeded as exc:
+        raise StartupCheckError(
+            f"cannot create replication slot {slot}: {exc.diag.message_primary}; drop a slot nobody uses "
+            "(see SELECT slot_name, database, active FROM pg_replication_slots) or raise max_replication_slots "
+            "and restart PostgreSQL"
+        ) from None
     assert row is not None
     return CreatedSlot(name=row[0], consistent_point=parse_lsn(row[1]), snapshot_name=row[2])
 
