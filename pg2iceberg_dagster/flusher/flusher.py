@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.store import StagedFile
+from ..errors import StartupCheckError
 from ..faults import crash_point
 from ..source import pgoutput
 from ..source.catalog import SourceTable, TypeResolver, file_node, identify_columns, source_column, table_attributes
@@ -114,7 +115,10 @@ class Flusher:
         stop = stop or threading.Event()
         start_lsn = self.store.flushed_lsn()
         if start_lsn is None:
-            raise RuntimeError("no flushed_lsn recorded: the slot was not created by `snapshot` yet")
+            raise StartupCheckError(
+                "nothing to stream yet: the replication slot is created by the first snapshot; run "
+                "`pg2iceberg-dagster snapshot` (or `run`, which starts with it) first"
+            )
         target = current_wal_lsn(self._catalog_conn) if until_caught_up else None
         deadline = time.monotonic() + max_seconds if max_seconds is not None else None
         stats = FlushStats(flushed_lsn=start_lsn)
