@@ -1,12 +1,14 @@
-"""A source database in another encoding than UTF-8: its text arrives in Iceberg as the same
-characters, through the snapshot and through the WAL; a SQL_ASCII database, whose text has no known
-encoding, is refused before anything is written."""
+"""A source database whose defaults are not PostgreSQL's: another encoding than UTF-8 (its text
+arrives in Iceberg as the same characters, through the snapshot and through the WAL; a SQL_ASCII
+database, whose text has no known encoding, is refused before anything is written), and output
+settings such as ``bytea_output = escape`` that change the text form the WAL carries."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
@@ -70,3 +72,46 @@ def test_sql_ascii_database_is_refused(pg: EmbeddedPostgres, workdir: Path) -> N
         assert written_anything(config) == []
     finally:
         db.close()
+
+
+@pytest.mark.usefixtures("spark")
+def test_database_output_settings_do_not_change_the_values(source: SourceDb) -> None:
+    """``ALTER DATABASE ... SET`` of the settings that shape text output (bytea as escape, SQL dates
+    day first, SQL-standard intervals, another time zone, fewer float digits), as legacy applications
+    do: snapshot and WAL give Iceberg the values psycopg reads from the source. With the database's
+    escape bytea, arrays of bytea were mangled in Iceberg before (``{A}`` became ``A}``)."""
+    for setting, value in [
+        ("bytea_output", "escape"),
+        ("DateStyle", "SQL, DMY"),
+        ("IntervalStyle", "sql_standard"),
+        ("TimeZone", "America/New_York"),
+        ("extra_float_digits", "0"),
+    ]:
+        source.execute(f"ALTER DATABASE {source.name} SET {setting} = '{value}'")
+    source.execute(
+        "CREATE TABLE public.blobs (id int PRIMARY KEY, data bytea, parts bytea[], d date, ts timestamptz, "
+        "f8 double precision, iv interval)"
+    )
+    row = (
+        "({}, '\\x00ff5c41'::bytea, ARRAY['\\x41'::bytea, '\\x5c00', NULL], '2021-12-31', "
+        "'2020-03-04 05:06:07.5+02', 0.1, '1 day 02:03:04')"
+    )
+    source.execute(f"INSERT INTO public.blobs VALUES {row.format(1)}, {row.format(2)}")
+    pipeline = source.pipeline(source.config(["public.blobs"]))
+    pipeline.snapshot()
+    source.execute(f"INSERT INTO public.blobs VALUES {row.format(3)}")
+    source.execute("UPDATE public.blobs SET data = '\\x7f'::bytea, parts = ARRAY['\\x41'::bytea] WHERE id = 1")
+    sync(pipeline)
+
+    # Read back in binary, which no output setting shapes (psycopg's text parser itself misreads an
+    # escaped bytea array and refuses SQL dates).
+    with psycopg.connect(source.conninfo) as conn:
+        assert conn.execute("SHOW bytea_output").fetchone() == ("escape",)
+        cursor = conn.cursor(binary=True)
+        expected = cursor.execute("SELECT id, data, parts, d, ts, f8 FROM public.blobs ORDER BY id").fetchall()
+    assert expected[0][2] == [b"A"] and expected[1][2] == [b"A", b"\\\x00", None]
+    table = pipeline.catalog.load_table(f"{source.name}_public.blobs")
+    rows = sorted(table.scan().to_arrow().to_pylist(), key=lambda row: row["id"])
+    got = [(r["id"], r["data"], r["parts"], r["d"], r["ts"], r["f8"]) for r in rows]
+    assert got == [tuple(row) for row in expected]
+    assert_mirrored(pipeline)

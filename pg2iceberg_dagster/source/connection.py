@@ -15,7 +15,8 @@ from ..errors import Pg2IcebergError
 # arrives as UTF-8 whatever the database's encoding (a LATIN1 database's walsender and COPY convert
 # it; Iceberg strings are UTF-8): left at the server default it would arrive in that encoding.
 SESSION_OPTIONS = (
-    "-c client_encoding=UTF8 -c datestyle=ISO,YMD -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
+    "-c client_encoding=UTF8 -c datestyle=ISO,YMD -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3 "
+    "-c bytea_output=hex"
 )
 
 
