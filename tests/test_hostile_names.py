@@ -116,3 +116,34 @@ def test_dots_in_names_stay_one_namespace_and_one_table(source: SourceDb) -> Non
     assert pipeline.catalog.table_exists((namespace, "events.log"))
     assert not pipeline.catalog.table_exists((namespace, "events", "log"))
     assert pipeline.iceberg_summary("v1.2.events.log").row_count == 400 - 11 + 1
+
+
+@pytest.mark.usefixtures("spark")
+def test_columns_only_case_tells_apart_and_columns_named_like_ours(source: SourceDb) -> None:
+    """Columns that differ only in case ("Name" and name, "ID" and id) are different columns in
+    PostgreSQL and Iceberg, and so in Spark's MERGE; columns named like the merge's own (_op,
+    _unchanged) or the staged log's (_lsn, _data) are ordinary columns. Every merge failed on them
+    before ("column already exists"), so the table never moved past its snapshot."""
+    source.execute(
+        'CREATE TABLE public.people (id int PRIMARY KEY, "ID" int, "Name" text, name text, _op text, '
+        "_unchanged text[], _lsn bigint, _data jsonb, big text)"
+    )
+    source.execute(
+        "INSERT INTO public.people SELECT g, -g, 'N' || g, 'n' || g, 'D', '{x}', g, '{}', repeat('t', 3000) "
+        "FROM generate_series(1, 50) g"
+    )
+    pipeline = source.pipeline(source.config(["public.people"]))
+    pipeline.snapshot()
+    source.execute("""UPDATE public.people SET name = 'lower', _op = 'U' WHERE id <= 10""")  # big unchanged (TOAST)
+    source.execute("""UPDATE public.people SET "Name" = 'Upper', "ID" = 0 WHERE id BETWEEN 5 AND 15""")
+    source.execute("DELETE FROM public.people WHERE id > 45")
+    source.execute("""INSERT INTO public.people VALUES (100, 1, 'A', 'a', 'I', '{}', 1, '[1]', 'b')""")
+    sync(pipeline)
+    columns = 'id, "ID", "Name", name, _op, _unchanged, _lsn, _data::text, big'
+    expected = source.execute(f"SELECT {columns} FROM public.people ORDER BY id")
+    table = pipeline.catalog.load_table(f"{source.name}_public.people")
+    rows = sorted(table.scan().to_arrow().to_pylist(), key=lambda row: row["id"])
+    names = ["id", "ID", "Name", "name", "_op", "_unchanged", "_lsn", "_data", "big"]
+    assert [tuple(row[name] for name in names) for row in rows] == [tuple(row) for row in expected]
+    assert expected[0][2:5] == ("N1", "lower", "U") and expected[-1][0] == 100
+    assert_mirrored(pipeline)

@@ -16,6 +16,7 @@ from pg2iceberg_dagster.errors import UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.materializer.arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from pg2iceberg_dagster.materializer.fold import fold
+from pg2iceberg_dagster.materializer.spark_sql import OP_COLUMN
 from pg2iceberg_dagster.materializer.vectorized import can_fold_vectorized, fold_vectorized
 from pg2iceberg_dagster.source.catalog import PgType, SourceColumn
 from pg2iceberg_dagster.staging import codec
@@ -168,7 +169,7 @@ def assert_same_fold(
     got = fold_vectorized(staged, ["id"], iceberg_arrow, spark_arrow_schema(iceberg_arrow), spark_value, rule)
     assert got.rows.schema == expected.schema
     assert got.changes == sum(t.num_rows for _, t in staged)
-    assert got.deletes == sum(1 for op in expected.column("_op").to_pylist() if op == DELETE)
+    assert got.deletes == sum(1 for op in expected.column(OP_COLUMN).to_pylist() if op == DELETE)
     for got_row, expected_row in zip(by_key(got.rows), by_key(expected), strict=True):
         for name in expected_row:
             assert same(got_row[name], expected_row[name]), (name, got_row[name], expected_row[name])

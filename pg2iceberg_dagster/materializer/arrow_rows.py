@@ -1,5 +1,5 @@
 """Folded rows as the Arrow table Spark merges: typed like the Iceberg table (in the types Spark
-can read), with the ``_op`` and ``_unchanged`` columns the MERGE statement reads."""
+can read), with the the ``OP_COLUMN`` and ``UNCHANGED_COLUMN`` columns the MERGE statement reads."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
 
 def folded_arrow(folded: FoldResult, table: Table, rule: OutOfRange) -> pa.Table:
     """The folded rows as Arrow, typed like the Iceberg table (values it cannot hold mapped by
-    ``rule``), with ``_op`` and ``_unchanged``."""
+    ``rule``), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN``."""
     iceberg_arrow = arrow_schema(table.schema())
     spark_schema = spark_arrow_schema(iceberg_arrow)
     columns = [field.name for field in iceberg_arrow]

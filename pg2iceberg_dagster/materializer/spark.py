@@ -52,6 +52,9 @@ def spark_conf(config: PipelineConfig) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.shuffle.partitions": "4",
         "spark.sql.session.timeZone": "UTC",
+        # PostgreSQL's quoted names tell "Name" from name, and so do Iceberg's: Spark must too, or a
+        # table with both fails every merge as ambiguous.
+        "spark.sql.caseSensitive": "true",
         # Iceberg, PostgreSQL and pyarrow all use the proleptic Gregorian calendar: Spark must not
         # rebase dates and timestamps before 1582 from its old hybrid calendar, nor refuse them.
         **{

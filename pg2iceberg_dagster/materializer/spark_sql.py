@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-OP_COLUMN = "_op"
-UNCHANGED_COLUMN = "_unchanged"
+# The folded batch's own columns, beside the table's: named so that no ordinary column name meets them
+# (a table may well have an "_op" column).
+OP_COLUMN = "_pg2iceberg_op"
+UNCHANGED_COLUMN = "_pg2iceberg_unchanged"
 
 
 def spark_identifier(*parts: str) -> str:

@@ -29,6 +29,7 @@ from ..iceberg.values import conform_texts
 from ..source.catalog import TEXT_OID, SourceColumn
 from ..staging.codec import DELETE, TRUNCATE, StagedRelation
 from .fold import UPSERT
+from .spark_sql import OP_COLUMN, UNCHANGED_COLUMN
 
 # Past this, one JSON line would not fit a block of Arrow's JSON reader: use the general path.
 MAX_ROW_BYTES = 256 * 1024 * 1024
@@ -40,7 +41,7 @@ _EXACT_CASTS = frozenset({"float8", "numeric"})
 
 @dataclass
 class VectorFold:
-    """The folded rows (Spark shape, with ``_op`` and ``_unchanged``) and what they hold."""
+    """The folded rows (Spark shape, with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN``) and what they hold."""
 
     rows: pa.Table
     changes: int
@@ -122,8 +123,8 @@ def fold_vectorized(
 ) -> VectorFold:
     """Keep the last change per key (log order) and type it like ``spark_schema`` (the Iceberg columns,
     ``iceberg_schema``, as Spark reads them; ``spark_value`` turns a loaded value into a column whose
-    Spark type differs; values Iceberg cannot hold mapped by ``rule``), plus ``_op`` (U or D) and
-    ``_unchanged`` (columns the change does not carry)."""
+    Spark type differs; values Iceberg cannot hold mapped by ``rule``), plus ``OP_COLUMN`` (U or D) and
+    ``UNCHANGED_COLUMN`` (columns the change does not carry)."""
     relation = batches[0][0]
     staged = pa.concat_tables([table for _, table in batches])
     changes = staged.num_rows
@@ -157,7 +158,7 @@ def fold_vectorized(
     else:
         unchanged = pa.ListArray.from_arrays(pa.array([0] * (len(last) + 1), pa.int32()), pa.array([], pa.string()))
     arrays.append(unchanged)
-    schema = spark_schema.append(pa.field("_op", pa.string())).append(pa.field("_unchanged", unchanged_type))
+    schema = spark_schema.append(pa.field(OP_COLUMN, pa.string())).append(pa.field(UNCHANGED_COLUMN, unchanged_type))
     return VectorFold(
         rows=pa.Table.from_arrays(arrays, schema=schema),
         changes=changes,
