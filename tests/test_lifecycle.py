@@ -8,13 +8,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
 
 from pg2iceberg_dagster.cli import main
-from pg2iceberg_dagster.config import PipelineConfig
+from pg2iceberg_dagster.config import PipelineConfig, SchemaSelection
 from pg2iceberg_dagster.lifecycle import POLL_SECONDS
 from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.source.selection import selected_tables
 from pg2iceberg_dagster.staging.store import ObjectStore
 
 from .conftest import SourceDb, running
@@ -183,3 +185,46 @@ def test_a_schema_entry_mirrors_its_tables_and_those_created_later(source: Sourc
                 return "app.a" not in probe.store.table_states()
 
         _wait(forgotten, errors, "the dropped table forgotten")
+
+
+def test_a_schema_entry_leaves_out_what_validate_would_refuse(source: SourceDb) -> None:
+    """One table of a schema that validate would refuse must not stop the whole schema: it is left
+    out, with the reason, and the others are mirrored."""
+    role = f"sel_{source.name}"
+    for statement in [
+        "CREATE SCHEMA sel",
+        "CREATE TABLE sel.plain (id int PRIMARY KEY)",
+        "CREATE TABLE sel.covered (id int PRIMARY KEY, email text NOT NULL)",
+        "CREATE UNIQUE INDEX covered_ix ON sel.covered (email, id)",
+        "ALTER TABLE sel.covered REPLICA IDENTITY USING INDEX covered_ix",
+        "CREATE TABLE sel.by_email (id int PRIMARY KEY, email text NOT NULL UNIQUE)",
+        "ALTER TABLE sel.by_email REPLICA IDENTITY USING INDEX by_email_email_key",
+        "CREATE TABLE sel.no_identity (id int PRIMARY KEY)",
+        "ALTER TABLE sel.no_identity REPLICA IDENTITY NOTHING",
+        "CREATE TABLE sel.float_key (id double precision PRIMARY KEY)",
+        "CREATE TABLE sel.array_key (id int[] PRIMARY KEY)",
+        "CREATE TABLE sel.keyless (v text)",
+        "CREATE TABLE sel.hidden (id int PRIMARY KEY)",
+        f"CREATE ROLE {role} LOGIN",
+        f"GRANT USAGE ON SCHEMA sel TO {role}",
+        f"GRANT SELECT ON ALL TABLES IN SCHEMA sel TO {role}",
+        f"REVOKE SELECT ON sel.hidden FROM {role}",
+    ]:
+        source.execute(statement)
+    selection = [SchemaSelection(schema="sel")]
+    with psycopg.connect(source.conninfo, user=role) as conn:
+        found, left_out = selected_tables(conn, selection)
+    assert found == [("sel", "covered"), ("sel", "plain")]
+    assert sorted(left_out) == [
+        "sel.array_key",
+        "sel.by_email",
+        "sel.float_key",
+        "sel.hidden",
+        "sel.keyless",
+        "sel.no_identity",
+    ]
+    assert "SELECT" in left_out["sel.hidden"] and "REPLICA IDENTITY" in left_out["sel.by_email"]
+    assert "float, double or an array" in left_out["sel.array_key"]
+    # The pipeline's own role (a superuser here) may read sel.hidden; the rest validate as they are.
+    config = source.config([{"schema": "sel"}])
+    assert source.pipeline(config).validate().tables.keys() == {"sel.covered", "sel.hidden", "sel.plain"}

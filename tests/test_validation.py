@@ -35,6 +35,11 @@ def test_missing_table_no_key_and_unsupported_type(source: SourceDb) -> None:
     _refuses(source, source.config([{"name": "public.nokey", "primary_key": ["a"]}]), "REPLICA IDENTITY FULL")
     _table(source, "CREATE TABLE public.wide (id int PRIMARY KEY, n numeric(50, 2))")
     _refuses(source, source.config(["public.wide"]), "numeric\\(50,2\\).*does not fit", UnsupportedTypeError)
+    # Keys Iceberg cannot take as identifier fields (a schema error deep in pyiceberg before).
+    _table(source, "CREATE TABLE public.float_key (id double precision PRIMARY KEY)")
+    _table(source, "CREATE TABLE public.array_key (id int[] PRIMARY KEY)")
+    for name, iceberg in [("public.float_key", "double"), ("public.array_key", "list<int>")]:
+        _refuses(source, source.config([name]), rf"key column id maps to Iceberg {iceberg}.*", UnsupportedTypeError)
     # Every refused table at once, not one per attempt.
     _refuses(
         source,

@@ -162,6 +162,15 @@ def iceberg_schema(columns: Sequence[SourceColumn], primary_key: Sequence[str]) 
             NestedField(field_id, column.name, iceberg_type(column.type, column.name, element_ids), required=required)
         )
     identifier_ids = [field.field_id for field in fields if field.name in primary_key]
+    for field in fields:
+        if field.field_id in identifier_ids and (
+            isinstance(field.field_type, (FloatType, DoubleType)) or not field.field_type.is_primitive
+        ):
+            raise UnsupportedTypeError(
+                f"primary key column {field.name} maps to Iceberg {field.field_type}, which Iceberg cannot take as "
+                "a key (no float, double or nested identifier field); set tables[].primary_key to other unique "
+                "columns (with REPLICA IDENTITY FULL), or change the column's type"
+            )
     return Schema(*fields, identifier_field_ids=identifier_ids)
 
 
