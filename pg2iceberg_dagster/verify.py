@@ -111,7 +111,7 @@ def choose_key_slice(conn: psycopg.Connection, source: SourceTable, rows: int) -
     """A slice of ``rows`` rows of a :func:`sliceable` table from a random key (another each call, so
     that checks over time cover the table; the last ``rows`` rows when fewer follow it), read through
     the primary key's index on ``conn`` (not in a transaction). None when the table is empty."""
-    table = sql.Identifier(source.schema_name, source.table_name)
+    table = source.rows_sql()
     keys = sql.SQL(", ").join(map(sql.Identifier, source.primary_key))
     descending = sql.SQL(", ").join(sql.SQL("{} DESC").format(sql.Identifier(k)) for k in source.primary_key)
 
@@ -151,9 +151,7 @@ def copy_batches(
     """
     columns = sql.SQL(", ").join(sql.Identifier(column.name) for column in source.columns)
     condition = where.condition() if where is not None else _EVERY_ROW
-    query = sql.SQL("COPY (SELECT {} FROM {}.{} WHERE {}) TO STDOUT").format(
-        columns, sql.Identifier(source.schema_name), sql.Identifier(source.table_name), condition
-    )
+    query = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT").format(columns, source.rows_sql(), condition)
     loaders = text_loaders(source.columns, rule)
 
     def as_arrow(values: list[list[object]], rows: int) -> pa.Table:

@@ -81,10 +81,9 @@ def chunk_query(source: SourceTable, chunk: Chunk, rule: OutOfRange) -> sql.Comp
     if chunk.end_page is not None:
         conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({chunk.end_page},0)")))
     where = sql.SQL(" AND ").join(conditions) if chunk.start_page or chunk.end_page is not None else sql.SQL("true")
-    relation = chunk.leaf or (source.schema_name, source.table_name)
-    return sql.SQL("SELECT {} FROM {} WHERE {}").format(
-        select_expressions(source.columns, rule), sql.Identifier(*relation), where
-    )
+    # ONLY: the table's own rows, not those of tables that INHERIT from it (see SourceTable.rows_sql).
+    relation = sql.SQL("ONLY {}").format(sql.Identifier(*chunk.leaf)) if chunk.leaf else source.rows_sql()
+    return sql.SQL("SELECT {} FROM {} WHERE {}").format(select_expressions(source.columns, rule), relation, where)
 
 
 def read_chunk(

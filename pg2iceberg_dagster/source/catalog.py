@@ -111,6 +111,13 @@ class SourceTable:
                 return column
         raise KeyError(name)
 
+    def rows_sql(self) -> sql.Composable:
+        """The table in a FROM clause, with its own rows only: ``ONLY`` leaves out the rows of tables
+        that INHERIT from it, whose changes the WAL carries as theirs (a partitioned table's rows are
+        its partitions', which ``ONLY`` would leave out)."""
+        name = sql.Identifier(self.schema_name, self.table_name)
+        return name if self.partitioned else sql.SQL("ONLY {}").format(name)
+
 
 _TYPE_QUERY = """
 SELECT t.typname, t.typtype, t.typbasetype, t.typtypmod, t.typelem, t.typcategory, t.typarray,
