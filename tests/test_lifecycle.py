@@ -209,6 +209,9 @@ def test_a_schema_entry_leaves_out_what_validate_would_refuse(source: SourceDb) 
         f"GRANT USAGE ON SCHEMA sel TO {role}",
         f"GRANT SELECT ON ALL TABLES IN SCHEMA sel TO {role}",
         f"REVOKE SELECT ON sel.hidden FROM {role}",
+        "CREATE TABLE sel.policed (id int PRIMARY KEY)",
+        "ALTER TABLE sel.policed ENABLE ROW LEVEL SECURITY",
+        f"GRANT SELECT ON sel.policed TO {role}",
     ]:
         source.execute(statement)
     selection = [SchemaSelection(schema="sel")]
@@ -222,9 +225,11 @@ def test_a_schema_entry_leaves_out_what_validate_would_refuse(source: SourceDb) 
         "sel.hidden",
         "sel.keyless",
         "sel.no_identity",
+        "sel.policed",
     ]
     assert "SELECT" in left_out["sel.hidden"] and "REPLICA IDENTITY" in left_out["sel.by_email"]
+    assert "BYPASSRLS" in left_out["sel.policed"]
     assert "float, double or an array" in left_out["sel.array_key"]
-    # The pipeline's own role (a superuser here) may read sel.hidden; the rest validate as they are.
+    # The pipeline's own role (a superuser here) reads sel.hidden and sel.policed whole.
     config = source.config([{"schema": "sel"}])
-    assert source.pipeline(config).validate().tables.keys() == {"sel.covered", "sel.hidden", "sel.plain"}
+    assert source.pipeline(config).validate().tables.keys() == {"sel.covered", "sel.hidden", "sel.plain", "sel.policed"}

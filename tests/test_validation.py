@@ -213,8 +213,8 @@ def test_a_replica_identity_index_must_carry_the_key(source: SourceDb) -> None:
 @pytest.mark.usefixtures("spark")
 def test_a_least_privilege_role_is_told_each_grant_it_lacks(source: SourceDb) -> None:
     """A replication role that owns nothing, with the publication made by the DBA: without CREATE on the
-    database (for the coordination schema) and SELECT on a table, each is refused with the GRANT to run,
-    nothing written; granted both, it mirrors the tables exactly."""
+    database (for the coordination schema), SELECT on a table, or past the table's row-level security,
+    each is refused with what to run, nothing written; granted all, it mirrors the tables exactly."""
     role = f"rep_{source.name}"
     _table(source, "CREATE TABLE public.orders (id bigint PRIMARY KEY, v text)")
     _table(source, "CREATE TABLE public.secret (id int PRIMARY KEY, v text)")
@@ -235,6 +235,11 @@ def test_a_least_privilege_role_is_told_each_grant_it_lacks(source: SourceDb) ->
     _refuses(source, config, rf'public\.secret: role "{role}" may not read public\.secret; run GRANT SELECT')
     assert not footprint(config)["slot"]
     source.execute(f"GRANT SELECT ON public.secret TO {role}")
+    # Row-level security would hide rows from the snapshot (and verify) without an error.
+    source.execute("ALTER TABLE public.secret ENABLE ROW LEVEL SECURITY")
+    source.execute(f"CREATE POLICY none_for_you ON public.secret FOR SELECT TO {role} USING (false)")
+    _refuses(source, config, rf'row-level security applies to role "{role}" on public\.secret.*BYPASSRLS')
+    source.execute(f"ALTER ROLE {role} BYPASSRLS")
     pipeline = source.pipeline(config)
     pipeline.snapshot()
     source.execute("UPDATE public.orders SET v = 'w' WHERE id <= 10")

@@ -366,21 +366,32 @@ def _near_names(conn: psycopg.Connection, table: TableConfig) -> str:
 
 def _refuse_unreadable(conn: psycopg.Connection, table: TableConfig, oid: int) -> None:
     """The snapshot and ``verify`` read the table (a partitioned one's leaves directly): the role needs
-    SELECT on each, or the first chunk would fail after the slot was created."""
-    unreadable = [
-        name
-        for (name,) in conn.execute(
-            "SELECT format('%%I.%%I', n.nspname, c.relname) FROM pg_catalog.pg_class c "
-            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE c.oid = ANY(%s::oid[]) AND NOT has_table_privilege(c.oid, 'SELECT') ORDER BY 1",
-            ([oid, *(holder for holder in row_holders(conn, oid) if holder != oid)],),
-        )
-    ]
+    SELECT on each, or the first chunk would fail after the slot was created; and row-level security
+    must not apply to it, or the snapshot would take the rows its policies show, silently, while the
+    WAL carries every row's changes."""
+    rows = conn.execute(
+        """
+        SELECT format('%%I.%%I', n.nspname, c.relname), has_table_privilege(c.oid, 'SELECT'),
+               c.relrowsecurity AND NOT (r.rolsuper OR r.rolbypassrls)
+                   AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
+        FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+        JOIN pg_catalog.pg_roles r ON r.rolname = current_user
+        WHERE c.oid = ANY(%s::oid[]) ORDER BY 1
+        """,
+        ([oid, *(holder for holder in row_holders(conn, oid) if holder != oid)],),
+    ).fetchall()
+    user = sql.Identifier(conn.info.user).as_string(conn)
+    unreadable = [name for name, readable, _ in rows if not readable]
     if unreadable:
-        user = sql.Identifier(conn.info.user).as_string(conn)
         raise StartupCheckError(
             f"{table.key}: role {user} may not read {', '.join(unreadable)}; run GRANT SELECT ON "
             f"{', '.join(unreadable)} TO {user}"
+        )
+    filtered = [name for name, _, row_security in rows if row_security]
+    if filtered:
+        raise StartupCheckError(
+            f"{table.key}: row-level security applies to role {user} on {', '.join(filtered)}, so the snapshot "
+            f"would copy only the rows its policies show; run ALTER ROLE {user} BYPASSRLS"
         )
 
 

@@ -34,7 +34,11 @@ def selected_tables(
         SELECT n.nspname, c.relname,
                EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
                c.relpersistence = 'u',
-               has_table_privilege(c.oid, 'SELECT'),
+               -- every row readable: SELECT, and no row-level security applying to the role
+               has_table_privilege(c.oid, 'SELECT') AND NOT (c.relrowsecurity
+                   AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                                   WHERE r.rolname = current_user AND (r.rolsuper OR r.rolbypassrls))
+                   AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))),
                -- deletes would not carry the key: REPLICA IDENTITY NOTHING, or USING INDEX without it
                c.relreplident = 'n' OR (c.relreplident = 'i' AND NOT EXISTS (
                    SELECT 1 FROM pg_catalog.pg_index r JOIN pg_catalog.pg_index k ON k.indrelid = r.indrelid
@@ -79,7 +83,7 @@ def _left_out_because(
     if not has_key:
         return "no primary key: name it in tables with a primary_key"
     if not readable:
-        return "the role may not SELECT from it: GRANT SELECT to mirror it"
+        return "the role may not read all of it: GRANT SELECT (and BYPASSRLS where row-level security applies)"
     if identity_lacks_key:
         return "its REPLICA IDENTITY does not carry the primary key: ALTER TABLE ... REPLICA IDENTITY DEFAULT"
     if key_not_identifier:
