@@ -253,7 +253,9 @@ def _check_slot_name(meta: PipelineMeta | None, config: PipelineConfig) -> None:
     if meta is not None and meta.slot_name != config.replication.slot:
         raise StartupCheckError(
             f"coordination state was created with slot {meta.slot_name}, the config names "
-            f"{config.replication.slot}; restore the slot name or run cleanup --all"
+            f"{config.replication.slot}; restore the slot name, or, for another pipeline on the same source, keep "
+            "its coordination state apart (the config's `state:` section, another database); `cleanup --all` "
+            f"would drop the pipeline of slot {meta.slot_name}: its slot, state and Iceberg tables"
         )
 
 
