@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from .config import PipelineConfig
+from .config import PipelineConfig, TableConfig
 from .coordination.store import CoordinationStore, PipelineMeta, TableState
 from .errors import StartupCheckError, UnsupportedTypeError
 from .iceberg.layout import layout_problems
@@ -179,8 +179,8 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
         _check_server(conn)
         system_identifier = identify_system(config)
         _check_same_cluster(meta, system_identifier)
-        tables = _describe_tables(conn, config)
         states = store.table_states()
+        tables = _describe_tables(conn, config, states)
         _check_not_recreated(states, tables)
         ensure_publication(conn, config, list(tables.values()), frozenset(states.keys() & tables.keys()))
         slot = slot_info(conn, config.replication.slot)
@@ -211,14 +211,19 @@ def _check_same_cluster(meta: PipelineMeta | None, system_identifier: str) -> No
         )
 
 
-def _describe_tables(conn: psycopg.Connection, config: PipelineConfig) -> dict[str, SourceTable]:
+def _describe_tables(
+    conn: psycopg.Connection, config: PipelineConfig, states: dict[str, TableState]
+) -> dict[str, SourceTable]:
     """Each configured table's columns and key, by key; refuses a table with a type Iceberg cannot hold,
-    or a ``partition_by``/``sort_by`` its columns cannot take."""
+    or a ``partition_by``/``sort_by`` its columns cannot take, or a mirrored one renamed at the source."""
     resolver = TypeResolver(conn)
     tables: dict[str, SourceTable] = {}
     refusals: list[StartupCheckError | UnsupportedTypeError] = []  # every table's, so that one run names them all
     for configured in config.tables:
         try:
+            state = states.get(configured.key)
+            if state is not None:
+                _refuse_renamed(conn, configured, state.pg_oid)
             table = describe_table(conn, configured, resolver)
             try:
                 iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
@@ -236,6 +241,23 @@ def _describe_tables(conn: psycopg.Connection, config: PipelineConfig) -> dict[s
     if refusals:
         raise StartupCheckError(f"{len(refusals)} tables refused:\n" + "\n".join(f"  - {exc}" for exc in refusals))
     return tables
+
+
+def _refuse_renamed(conn: psycopg.Connection, configured: TableConfig, oid: int) -> None:
+    """The table mirrored under this name now has another (ALTER TABLE ... RENAME TO, or SET SCHEMA)."""
+    row = conn.execute(
+        "SELECT n.nspname, c.relname, format('%%I.%%I', n.nspname, c.relname) FROM pg_catalog.pg_class c "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s",
+        (oid,),
+    ).fetchone()
+    if row is None or (row[0], row[1]) == (configured.schema_name, configured.table_name):
+        return
+    now = row[2]
+    raise StartupCheckError(
+        f"{configured.key} was renamed to {now} at the source (the same table, oid {oid}; changes made since "
+        f"were staged as {configured.key}'s). Rename it back (ALTER TABLE {now} RENAME TO ...), or mirror it under "
+        f"its new name: name it so in the config, then run {_cleanup_tables([configured.key])} and snapshot"
+    )
 
 
 def _check_not_recreated(states: dict[str, TableState], tables: dict[str, SourceTable]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from pg2iceberg_dagster.errors import StartupCheckError
 from pg2iceberg_dagster.materializer import merge
 
 from .conftest import Crash, SourceDb, assert_mirrored, crash_at, snapshot_crashing_at_chunk, sync
@@ -181,3 +182,31 @@ def test_a_rename_and_a_drop_before_the_flusher_reads_resync_instead_of_stalling
     pipeline.resync("public.items")
     sync(pipeline)
     assert_mirrored(pipeline)
+
+
+def test_a_table_renamed_while_streaming_loses_no_change(source: SourceDb) -> None:
+    """``ALTER TABLE ... RENAME TO`` while the flusher streams: the changes arrive under the new name
+    and were dropped as another table's, for good (the slot moved past them). They are now staged as
+    the mirrored table's (it is the same oid); a start under the old name refuses with what to do, and
+    once renamed back the table equals the source."""
+    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.orders SELECT g, 'v' FROM generate_series(1, 20) g")
+    config = source.config(["public.orders"])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    source.execute("UPDATE public.orders SET v = 'before' WHERE id = 1")
+    source.execute("ALTER TABLE public.orders RENAME TO orders_old")
+    source.execute("UPDATE public.orders_old SET v = 'renamed' WHERE id = 2")
+    source.execute("DELETE FROM public.orders_old WHERE id = 3")
+    source.execute("INSERT INTO public.orders_old VALUES (100, 'new')")
+    pipeline.stream(until_caught_up=True)
+    assert pipeline.lag("public.orders").changes == 4
+    with pytest.raises(StartupCheckError, match=r"public\.orders was renamed to public\.orders_old.*Rename it back"):
+        source.pipeline(config).validate()
+    source.execute("ALTER TABLE public.orders_old RENAME TO orders")
+    sync(pipeline)
+    rows = pipeline.catalog.load_table(f"{source.name}_public.orders").scan().to_arrow().to_pylist()
+    expected = source.execute("SELECT id, v FROM public.orders ORDER BY id")
+    assert sorted((row["id"], row["v"]) for row in rows) == [tuple(row) for row in expected]
+    assert expected[1] == (2, "renamed") and 3 not in [id_ for id_, _ in expected]
+    assert_mirrored(source.pipeline(config))

@@ -9,6 +9,7 @@ any point neither loses nor duplicates a transaction (unregistered uploads are o
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from ..staging.store import ObjectStore
 from .batch import RelationInfo, truncate_marker
 from .generated import GeneratedValues, describe_generated
 from .window import RelationLog, StagedWriter
+
+log = logging.getLogger(__name__)
 
 _ROW_TAGS = frozenset(b"IUD")
 _BEGIN, _COMMIT = ord("B"), ord("C")
@@ -89,6 +92,7 @@ class Flusher:
         self.config = config
         self.store = store
         self.tables = tables
+        self._by_oid = {table.oid: table for table in tables.values()}
         self.object_store = ObjectStore(config.staging)
         self._catalog_conn = connect(config.source)
         self._resolver = TypeResolver(self._catalog_conn)
@@ -295,9 +299,22 @@ class Flusher:
         return run.target is not None and run.stats.flushed_lsn >= run.target
 
     def _relation_info(self, relation: pgoutput.Relation) -> RelationInfo | None:
-        table = self.tables.get(relation.key)
+        # By oid first: a table renamed at the source (ALTER TABLE ... RENAME TO) sends its changes
+        # under its new name, and they are still its changes. By name, a table dropped and created
+        # again (another oid), which the next startup refuses.
+        table = self._by_oid.get(relation.oid) or self.tables.get(relation.key)
         if table is None:
             return None  # published but not configured: ignored
+        if relation.key != table.key:
+            log.warning(
+                "%s was renamed to %s at the source; its changes are still staged as %s's. Rename it back, or "
+                "mirror it under its new name (name it in the config, then `cleanup --table %s` and `snapshot`): "
+                "the next start refuses the old name",
+                table.key,
+                relation.key,
+                table.key,
+                table.key,
+            )
         # The message names the columns; the catalog gives each its identity (attnum, which a RENAME
         # keeps) and the value older rows read for a column added with a DEFAULT.
         attributes = table_attributes(self._catalog_conn, relation.oid)
