@@ -4,6 +4,7 @@ publication, snapshot state without a slot. Every entry point refuses, says what
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -159,3 +160,28 @@ def test_no_free_replication_slot_is_a_clear_refusal(
     with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot('somebody_else')")
     assert source.pipeline(config).snapshot()["public.t"].rows == 100
+
+
+def test_a_snapshot_waiting_on_an_open_transaction_says_which(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Creating the slot waits for every transaction open when it began (an idle-in-transaction
+    session, say): the snapshot names the oldest ones while it waits, instead of hanging silently, and
+    goes on once they end."""
+    monkeypatch.setattr(holder, "SLOT_WAIT_REPORT_SECONDS", 0.5)
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY)")
+    config = source.config(["public.t"])
+    with psycopg.connect(source.conninfo) as open_transaction:
+        open_transaction.execute("INSERT INTO public.t VALUES (1)")  # an xid, not committed
+        pid = open_transaction.info.backend_pid
+        results: list[object] = []
+        thread = threading.Thread(target=lambda: results.append(source.pipeline(config).snapshot()))
+        with caplog.at_level("WARNING", logger=holder.__name__):
+            thread.start()
+            deadline = time.monotonic() + 30
+            while f"pid {pid} (postgres on {source.name}, idle in transaction" not in caplog.text:
+                assert time.monotonic() < deadline and thread.is_alive(), caplog.text
+                time.sleep(0.2)
+        open_transaction.commit()
+        thread.join(60)
+    assert results and results[0]["public.t"].rows == 1  # type: ignore[index]

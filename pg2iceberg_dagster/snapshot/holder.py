@@ -17,6 +17,7 @@ after ``max_seconds``, or when no snapshot process has run for ``snapshot.holder
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
 import threading
@@ -29,11 +30,16 @@ import psycopg
 from ..config import PipelineConfig, PostgresConnection
 from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
 from ..detached import detached_error, spawn_with_config
+from ..errors import StartupCheckError
 from ..source.catalog import published_keys_seen_by
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
-from ..source.replication import create_slot_with_snapshot
+from ..source.replication import create_slot_with_snapshot, transactions_holding_slot_creation
 from ..source.xid_snapshot import exported_snapshot_text
+
+log = logging.getLogger(__name__)
+# How often a snapshot waiting for its holder says what the slot's creation waits for.
+SLOT_WAIT_REPORT_SECONDS = 10.0
 
 HOLDER_COMMAND = (sys.executable, "-m", "pg2iceberg_dagster.snapshot.holder_process")
 
@@ -185,6 +191,19 @@ def holder_error(alive: HolderThread | subprocess.Popen[bytes]) -> str:
     return detached_error(alive)
 
 
+def _report_slot_wait(config: PipelineConfig, waited: float) -> None:
+    """Say why no snapshot is advertised yet: the slot's creation waits for open transactions."""
+    with contextlib.suppress(psycopg.Error), connect(config.source) as conn:
+        waiting_for = transactions_holding_slot_creation(conn)
+    if waiting_for:
+        log.warning(
+            "waited %.0f s for the snapshot holder: creating the replication slot waits for the transactions open "
+            "when it began to end; the oldest: %s (commit or end them: SELECT pg_terminate_backend(pid))",
+            waited,
+            "; ".join(waiting_for),
+        )
+
+
 def wait_for_advertised_snapshot(
     store: CoordinationStore,
     config: PipelineConfig,
@@ -192,10 +211,16 @@ def wait_for_advertised_snapshot(
     timeout: float = 300.0,
 ) -> AdvertisedSnapshot | None:
     """Wait until a holder advertises its snapshot; None when ``alive`` (the holder we started) ended
-    without one and no other holder lives, or after ``timeout`` (creating a slot waits for running
-    transactions to finish)."""
-    deadline = time.monotonic() + timeout
+    without one and no other holder lives. Creating a slot waits for running transactions to end:
+    every ``SLOT_WAIT_REPORT_SECONDS`` a warning names the oldest, and after ``timeout`` they are
+    refused with."""
+    started = time.monotonic()
+    deadline = started + timeout
+    next_report = started + SLOT_WAIT_REPORT_SECONDS
     while time.monotonic() < deadline:
+        if time.monotonic() >= next_report:
+            _report_slot_wait(config, time.monotonic() - started)
+            next_report += SLOT_WAIT_REPORT_SECONDS
         ended = not alive.is_alive() if isinstance(alive, HolderThread) else alive.poll() is not None
         advertised = store.exported_snapshot(holder_lock_key(config))
         # A holder killed before it could withdraw its advertisement leaves it behind: only an
@@ -205,4 +230,10 @@ def wait_for_advertised_snapshot(
         if ended and not store.holder_alive(config.replication.slot):
             return None  # (a holder started at the same moment by another process may have won: wait for it)
         time.sleep(0.1)
-    return None
+    with connect(config.source) as conn:
+        waiting_for = transactions_holding_slot_creation(conn)
+    raise StartupCheckError(
+        f"no exported snapshot after {timeout:.0f} s: creating the replication slot waits for the transactions "
+        f"open when it began to end ({'; '.join(waiting_for) or 'none open now: run the snapshot again'}); commit or "
+        "end them (SELECT pg_terminate_backend(pid)), then run the snapshot again"
+    )

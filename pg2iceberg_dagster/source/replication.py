@@ -54,6 +54,22 @@ def create_slot_with_snapshot(conn: psycopg.Connection, slot: str) -> CreatedSlo
     return CreatedSlot(name=row[0], consistent_point=parse_lsn(row[1]), snapshot_name=row[2])
 
 
+def transactions_holding_slot_creation(conn: psycopg.Connection) -> list[str]:
+    """The oldest open transactions that hold an xid, in any database of the cluster: creating a
+    logical slot waits until every such transaction running when it started has ended."""
+    rows = conn.execute(
+        """
+        SELECT pid, datname, usename, state, extract(epoch FROM now() - xact_start)::int
+        FROM pg_catalog.pg_stat_activity
+        WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() AND backend_type = 'client backend'
+        ORDER BY xact_start LIMIT 5
+        """
+    ).fetchall()
+    return [
+        f"pid {pid} ({user} on {database}, {state}, open {seconds} s)" for pid, database, user, state, seconds in rows
+    ]
+
+
 class XLogData(NamedTuple):
     """One WAL data message: the LSN it starts at, the server's WAL end, and the pgoutput payload."""
 
