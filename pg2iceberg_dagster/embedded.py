@@ -55,10 +55,14 @@ class EmbeddedPostgres:
     root: Path
     port: int
     superuser: str = "postgres"
+    bin_dir: Path | None = None  # initdb and pg_ctl of another PostgreSQL than find_pg_bin's
 
     def __post_init__(self) -> None:
         # The server resolves paths from its own data directory: hand it absolute ones.
         self.root = Path(self.root).resolve()
+
+    def _bin(self, name: str) -> str:
+        return str((self.bin_dir or find_pg_bin()) / name)
 
     @property
     def data_dir(self) -> Path:
@@ -90,20 +94,20 @@ class EmbeddedPostgres:
         """Create the cluster if it does not exist yet."""
         if (self.data_dir / "PG_VERSION").exists():
             return
-        bin_dir = find_pg_bin()
         self.root.mkdir(parents=True, exist_ok=True)
         for directory in (self.root, self.socket_dir):
             directory.mkdir(parents=True, exist_ok=True)
             self._chown(directory)
         if os.geteuid() == 0:
-            # postgres must be able to traverse to the data directory.
-            for parent in list(self.root.resolve().parents)[:-1]:
+            # postgres must be able to traverse to the data directory (and to binaries of its own).
+            reached = [self.root, *([self.bin_dir] if self.bin_dir else [])]
+            for parent in {parent for path in reached for parent in list(path.resolve().parents)[:-1]}:
                 mode = parent.stat().st_mode
                 if not mode & 0o001:
                     os.chmod(parent, mode | 0o001)
         result = self._run_as_owner(
             [
-                str(bin_dir / "initdb"),
+                self._bin("initdb"),
                 "-D",
                 str(self.data_dir),
                 "-U",
@@ -152,7 +156,7 @@ class EmbeddedPostgres:
             self._chown(self.log_file)
             result = self._run_as_owner(
                 [
-                    str(find_pg_bin() / "pg_ctl"),
+                    self._bin("pg_ctl"),
                     "-D",
                     str(self.data_dir),
                     "-l",
