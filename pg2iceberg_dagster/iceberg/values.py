@@ -30,8 +30,9 @@ year 1 ends in `` BC``, one after 9999 has a five-digit year.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ import pyarrow.compute as pc
 from psycopg import sql
 
 from ..config import OutOfRange
+from ..errors import UnsupportedTypeError
 
 
 @dataclass(frozen=True)
@@ -143,3 +145,20 @@ def conform_flattened(values: pa.Array, dimensions: pa.Array, rule: OutOfRange) 
     if not pc.any(multi).as_py():
         return values
     return pc.if_else(multi, pa.scalar(None, values.type), values)
+
+
+def null_key_rows(rows: pa.Table, key: Sequence[str]) -> pa.Array:
+    """Which rows have a key column the rule made NULL (numeric NaN; a date or timestamp out of range
+    under ``values.out_of_range: null``): Iceberg key columns hold no NULL."""
+    return functools.reduce(pc.or_, [pc.is_null(rows.column(name)) for name in key])
+
+
+def null_key_refusal(table_key: str, key: Sequence[str], rows: int) -> UnsupportedTypeError:
+    """The error for ``rows`` rows whose key :func:`null_key_rows` found NULL."""
+    return UnsupportedTypeError(
+        f"{table_key}: {rows} row(s) hold a primary key ({', '.join(key)}) value Iceberg cannot hold (numeric NaN, "
+        "or a date or timestamp out of range under values.out_of_range: null), which would leave them without a "
+        "key; change those keys at the source, or set tables[].primary_key to other columns (a first snapshot "
+        "reads the source as of the slot's creation: start it over with `cleanup --all --yes`; merges and "
+        "resyncs see the change)"
+    )

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -45,6 +45,7 @@ from ..iceberg.evolution import (
 )
 from ..iceberg.layout import apply_layout
 from ..iceberg.types import arrow_schema
+from ..iceberg.values import null_key_refusal, null_key_rows
 from ..source.catalog import SourceColumn, TypeResolver, describe_table, file_node
 from ..source.connection import connect
 from ..source.lsn import format_lsn
@@ -54,9 +55,10 @@ from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
 from ..staging.store import ObjectStore, merge_batch_prefix
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
-from .fold import fold
+from .fold import UPSERT, fold
 from .lanes import LaneConnections, on_lanes
 from .spark_sql import (
+    OP_COLUMN,
     UNCHANGED_COLUMN,
     call_procedure,
     delete_keys_statement,
@@ -460,6 +462,7 @@ class Materializer:
     ) -> None:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
+        prepared = _without_keyless_deletes(table_key, prepared)
         self._fill_pending(table_key, prepared.table, timings)
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
@@ -649,6 +652,23 @@ class Materializer:
         query): with many lagging tables, the change waiting longest is merged first."""
         ages = {key: age for key, (_lag, age) in self.store.lags(self.group).items()}
         return sorted(table_keys, key=lambda key: -ages.get(key, 0.0))
+
+
+def _without_keyless_deletes(table_key: str, prepared: PreparedBatch) -> PreparedBatch:
+    """Rows whose key the values rule made NULL (see iceberg.values.null_key_rows): a delete of one is
+    dropped (no Iceberg row has a NULL key; so a row whose key was mended at the source merges), an
+    upsert is refused, naming the table, rather than failing in Spark at every attempt."""
+    rows = prepared.rows
+    if not rows.num_rows:
+        return prepared
+    keyless = null_key_rows(rows, prepared.key)
+    if not pc.any(keyless).as_py():
+        return prepared
+    upserts = pc.sum(pc.and_(keyless, pc.equal(rows.column(OP_COLUMN), UPSERT))).as_py() or 0
+    if upserts:
+        raise null_key_refusal(table_key, prepared.key, upserts)
+    dropped = pc.sum(keyless).as_py() or 0
+    return replace(prepared, rows=rows.filter(pc.invert(keyless)), deletes=prepared.deletes - dropped)
 
 
 def _refuse_unkeyed(table: TableConfig, relations: list[StagedRelation]) -> None:

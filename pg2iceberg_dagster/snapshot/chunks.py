@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg import sql
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io import FileIO
@@ -22,6 +23,7 @@ from ..coordination.store import Chunk
 from ..iceberg.catalog import commit_with_retry, snapshot_summaries
 from ..iceberg.evolution import source_files_properties, without_pending_fills
 from ..iceberg.types import arrow_schema
+from ..iceberg.values import null_key_refusal, null_key_rows
 from ..source.catalog import SourceFiles, SourceTable, table_pages
 from ..source.partitions import leaves
 from .reader import ArrowReader, conform, select_expressions
@@ -96,7 +98,12 @@ def read_chunk(
 ) -> pa.Table:
     """Read a chunk as ``schema`` under the exported snapshot ``snapshot_name`` (None: a snapshot of its
     own, for tools; the snapshot always passes one), values Iceberg cannot hold mapped by ``rule``."""
-    return conform(reader.read(chunk_query(source, chunk, rule), snapshot_name), source, schema, rule)
+    rows = conform(reader.read(chunk_query(source, chunk, rule), snapshot_name), source, schema, rule)
+    if rows.num_rows:
+        keyless = pc.sum(null_key_rows(rows, source.primary_key)).as_py() or 0
+        if keyless:
+            raise null_key_refusal(source.key, source.primary_key, keyless)
+    return rows
 
 
 def chunk_marker(chunk: Chunk) -> str:
