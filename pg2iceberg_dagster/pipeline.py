@@ -565,9 +565,14 @@ class Pipeline:
                 f"not configured tables: {', '.join(unknown)} (configured: {', '.join(configured[:10])}{more})"
             )
         diffs = []
+        resyncs = self.resyncs_pending()
         with connect(self.config.source) as conn, consistent_read(conn):
             for key, source in report.tables.items():
                 if table_keys is not None and key not in table_keys:
+                    continue
+                if key in resyncs:
+                    waits = f"it waits for an online resync ({resyncs[key]}): `pg2iceberg-dagster resync --table {key}`"
+                    diffs.append(TableDiff(key, not_compared=waits))
                     continue
                 identifier = table_identifier(self.config, key)
                 try:

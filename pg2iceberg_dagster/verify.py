@@ -48,10 +48,14 @@ class TableDiff:
     different: int = 0
     duplicate_keys: int = 0
     examples: dict[str, list[Any]] = field(default_factory=dict)
+    # Why the table was not compared (it waits for an online resync: its Iceberg schema is the old one).
+    not_compared: str = ""
 
     @property
     def ok(self) -> bool:
-        return not (self.only_in_pg or self.only_in_iceberg or self.different or self.duplicate_keys)
+        return not (
+            self.only_in_pg or self.only_in_iceberg or self.different or self.duplicate_keys or self.not_compared
+        )
 
 
 _EVERY_ROW = sql.SQL("true")
@@ -379,6 +383,10 @@ def print_diffs(diffs: Sequence[TableDiff]) -> bool:
     for diff in diffs:
         if diff.only_in_pg == -1:
             print(f"{diff.table}: MISSING (no Iceberg table)")
+            ok = False
+            continue
+        if diff.not_compared:
+            print(f"{diff.table}: NOT COMPARED: {diff.not_compared}")
             ok = False
             continue
         state = "OK" if diff.ok else "DIFFERENT"
