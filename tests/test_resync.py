@@ -271,3 +271,29 @@ def test_verify_says_a_table_waits_for_its_resync(source: SourceDb, capsys: pyte
     pipeline.resync("public.items")
     sync(pipeline)
     assert main(["-c", str(path), "verify"]) == 0
+
+
+def test_a_primary_key_changed_at_the_source_is_resynced_onto_the_new_key(source: SourceDb) -> None:
+    """``DROP CONSTRAINT ..._pkey, ADD PRIMARY KEY (code)``: deletes then carry code, not the id the
+    Iceberg table is keyed on (a merge dropped them before, as keys it could not hold). The merge asks
+    for a resync, which rebuilds the table keyed on code; later changes by the new key follow."""
+    source.execute("CREATE TABLE public.acct (id int PRIMARY KEY, code text NOT NULL, v text)")
+    source.execute("INSERT INTO public.acct SELECT g, 'c' || g, 'v' FROM generate_series(1, 20) g")
+    pipeline = source.pipeline(source.config(["public.acct"]))
+    pipeline.snapshot()
+    source.execute("ALTER TABLE public.acct DROP CONSTRAINT acct_pkey, ADD PRIMARY KEY (code)")
+    source.execute("DELETE FROM public.acct WHERE id = 2")
+    source.execute("UPDATE public.acct SET code = 'moved' WHERE id = 3")
+    restarted = source.pipeline(source.config(["public.acct"]))  # a process started after the change
+    restarted.stream(until_caught_up=True)
+    reason = restarted.materialize()["public.acct"].resync_reason or ""
+    assert "primary key changed at the source from (id) to (code)" in reason
+    restarted.resync("public.acct")
+    source.execute("DELETE FROM public.acct WHERE code = 'c4'")
+    source.execute("UPDATE public.acct SET code = 'again', v = 'w' WHERE code = 'moved'")
+    sync(restarted)
+    table = restarted.catalog.load_table(f"{source.name}_public.acct")
+    assert [table.schema().find_field(i).name for i in table.schema().identifier_field_ids] == ["code"]
+    rows = sorted((r["code"], r["id"], r["v"]) for r in table.scan().to_arrow().to_pylist())
+    assert rows == sorted(tuple(row) for row in source.execute("SELECT code, id, v FROM public.acct"))
+    assert_mirrored(restarted)

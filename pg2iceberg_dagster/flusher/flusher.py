@@ -341,7 +341,7 @@ class Flusher:
         unkeyed = () if relation.replica_identity == "f" else tuple(name for name in key if name not in flagged)
         return RelationInfo(
             table=table,
-            relation=StagedRelation(table.key, columns, file_node(self._catalog_conn, relation.oid), unkeyed),
+            relation=StagedRelation(table.key, columns, file_node(self._catalog_conn, relation.oid), unkeyed, key),
             positions={name: index for index, name in enumerate(wire_names)},
             key=key,
             generated=generated,

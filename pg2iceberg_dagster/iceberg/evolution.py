@@ -382,6 +382,13 @@ def _apply_plan(
         for column, wanted in plan.additions:
             update.add_column(column.name, wanted, required=column.name in key)
         if key:
+            # A rebuild may bring another key (changed at the source): key fields required, the others
+            # not, as a new table has them.
+            removed = {*plan.replaced, *plan.deleted}
+            for kept in current.fields:
+                name = plan.renames.get(kept.field_id, kept.name)
+                if kept.field_id not in removed and kept.required != (name in key):
+                    update.update_column(kept.name, required=name in key)
             update.set_identifier_fields(*key)
     evolved = transaction.table_metadata.schema()
     attnums.update(plan.adopted)

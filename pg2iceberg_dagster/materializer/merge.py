@@ -35,6 +35,7 @@ from ..iceberg.catalog import commit_with_retry, table_identifier
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
     clear_pending_fills,
+    column_attnums,
     evolve_schema,
     leaves_property,
     pending_fills,
@@ -419,6 +420,7 @@ class Materializer:
             # The last relation describes the table as it is now; older ones are mapped onto it.
             newest = staged[-1][0] if staged else None
             _refuse_unkeyed(self.config.table(table_key), [relation for relation, _ in staged])
+            _refuse_changed_key(table_key, table, [relation for relation, _ in staged])
             refuse_unfollowable_retypes(table_key, [(relation.columns, relation.file_node) for relation, _ in staged])
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
@@ -669,6 +671,28 @@ def _without_keyless_deletes(table_key: str, prepared: PreparedBatch) -> Prepare
         raise null_key_refusal(table_key, prepared.key, upserts)
     dropped = pc.sum(keyless).as_py() or 0
     return replace(prepared, rows=rows.filter(pc.invert(keyless)), deletes=prepared.deletes - dropped)
+
+
+def _refuse_changed_key(table_key: str, table: Table, relations: list[StagedRelation]) -> None:
+    """A primary key changed at the source (``DROP CONSTRAINT ..._pkey, ADD PRIMARY KEY (other)``): the
+    Iceberg table is keyed on the old columns, which the new key's deletes do not carry. Compared by
+    ``attnum``, so a renamed key column is still the same key."""
+    schema = table.schema()
+    attnums = column_attnums(table)
+    mirrored = {attnums.get(field_id) for field_id in schema.identifier_field_ids}
+    if None in mirrored:
+        return  # a table whose fields were not recorded: nothing to compare with
+    for relation in relations:
+        if not relation.key:
+            continue  # staged before the key was recorded
+        staged = {column.attnum for column in relation.columns if column.name in relation.key}
+        if None not in staged and staged != mirrored:
+            was = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
+            raise ResyncRequiredError(
+                table_key,
+                f"its primary key changed at the source from ({', '.join(was)}) to ({', '.join(relation.key)}), and "
+                "the Iceberg table is keyed on the old columns",
+            )
 
 
 def _refuse_unkeyed(table: TableConfig, relations: list[StagedRelation]) -> None:

@@ -61,6 +61,8 @@ class StagedRelation:
     file_node: int | None = None
     # Key columns the table's replica identity did not carry then (its deletes lack them).
     unkeyed: tuple[str, ...] = ()
+    # The primary key's columns then (empty in files staged before it was recorded).
+    key: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         data: dict[str, Any] = {"table": self.table, "columns": [c.to_json() for c in self.columns]}
@@ -68,6 +70,8 @@ class StagedRelation:
             data["file_node"] = self.file_node
         if self.unkeyed:
             data["unkeyed"] = list(self.unkeyed)
+        if self.key:
+            data["key"] = list(self.key)
         return json.dumps(data)
 
     @classmethod
@@ -79,6 +83,7 @@ class StagedRelation:
             columns=columns,
             file_node=data.get("file_node"),
             unkeyed=tuple(data.get("unkeyed", ())),
+            key=tuple(data.get("key", ())),
         )
 
 
