@@ -65,6 +65,11 @@ def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
 
 
 def _check_server(conn: psycopg.Connection) -> None:
+    if conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:  # type: ignore[index]
+        raise StartupCheckError(
+            f"the source server {conn.info.host}:{conn.info.port} is a standby (in recovery, a read replica): "
+            "the snapshot a replication slot exports cannot be taken during recovery; point source at the primary"
+        )
     wal_level = conn.execute("SHOW wal_level").fetchone()[0]  # type: ignore[index]
     if wal_level != "logical":
         raise StartupCheckError(
@@ -170,13 +175,14 @@ def ensure_publication(
 
 def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupReport:
     """Run every startup check; raise StartupCheckError on the first breach (naming every refused table)."""
-    store.migrate()
-    meta = store.pipeline_meta()
     with connect(config.source) as conn:
         version = server_version(conn)
         # Before the replication connection: a role without REPLICATION gets the check's advice, not
-        # the walsender's refusal to connect.
+        # the walsender's refusal to connect; and before the coordination schema is written (a standby
+        # would refuse that as a read-only transaction).
         _check_server(conn)
+        store.migrate()
+        meta = store.pipeline_meta()
         system_identifier = identify_system(config)
         _check_same_cluster(meta, system_identifier)
         states = store.table_states()

@@ -185,3 +185,27 @@ def test_a_snapshot_waiting_on_an_open_transaction_says_which(
         open_transaction.commit()
         thread.join(60)
     assert results and results[0]["public.t"].rows == 1  # type: ignore[index]
+
+
+def test_a_standby_source_is_refused_before_anything_is_written(
+    source: SourceDb, make_cluster: Callable[..., EmbeddedPostgres]
+) -> None:
+    """The read replica's address in the config, a common first mistake: a standby exports no
+    snapshot and holds no coordination tables. Refused saying so (the coordination schema's CREATE
+    failed as a read-only transaction before), and with state elsewhere too."""
+    cluster = make_cluster()
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.t (id int PRIMARY KEY)")
+    cluster.stop()
+    (cluster.data_dir / "standby.signal").touch()
+    cluster.start()
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+    config = config_on(source, cluster, ["public.t"])
+    with pytest.raises(StartupCheckError, match=r"is a standby \(in recovery, a read replica\).*primary"):
+        source.pipeline(config).validate()
+    with pytest.raises(StartupCheckError, match=r"is read-only \(a standby\?\).*point state: at one"):
+        source.pipeline(config).status()
+    elsewhere = config.model_copy(update={"state": source.config(["public.t"]).source})
+    with pytest.raises(StartupCheckError, match=r"is a standby"):
+        source.pipeline(elsewhere).validate()

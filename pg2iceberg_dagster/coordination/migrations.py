@@ -163,6 +163,11 @@ def migrate(conn: psycopg.Connection) -> list[int]:
     the coordination schema is refused with the grant it needs."""
     try:
         return _migrate(conn)
+    except psycopg.errors.ReadOnlySqlTransaction:
+        raise StartupCheckError(
+            f"database {conn.info.dbname} on {conn.info.host}:{conn.info.port} is read-only (a standby?): the "
+            f"coordination tables (schema {SCHEMA}) need a writable database; point state: at one"
+        ) from None
     except psycopg.errors.InsufficientPrivilege as exc:
         user, dbname = (sql.Identifier(name).as_string(conn) for name in (conn.info.user, conn.info.dbname))
         raise StartupCheckError(
