@@ -121,6 +121,12 @@ class TableConfig(_Strict):
             raise ValueError(f"expected 'schema.table', got {value!r}")
         return value
 
+    @field_validator("primary_key", mode="before")
+    @classmethod
+    def _one_column(cls, value: Any) -> Any:
+        """``primary_key: id`` is the one-column list ``[id]``."""
+        return [value] if isinstance(value, str) else value
+
     @field_validator("primary_key")
     @classmethod
     def _non_empty(cls, value: list[str] | None) -> list[str] | None:
@@ -432,9 +438,11 @@ class PipelineConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _schema_entries(cls, data: Any) -> Any:
-        """``tables`` entries with a ``schema`` key select a schema's tables (see SchemaSelection)."""
+        """``tables`` entries with a ``schema`` key select a schema's tables (see SchemaSelection); an
+        entry that is just a name (``- public.orders``) is ``{name: public.orders}``."""
         if isinstance(data, dict) and isinstance(data.get("tables"), list):
-            entries = data["tables"]
+            entries = [{"name": entry} if isinstance(entry, str) else entry for entry in data["tables"]]
+            data = {**data, "tables": entries}
             selections = [entry for entry in entries if isinstance(entry, dict) and "schema" in entry]
             if selections:
                 data = {

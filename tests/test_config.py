@@ -105,6 +105,15 @@ def test_bad_table_name_names_index() -> None:
     assert "tables.0.name: expected 'schema.table', got 'orders'" in message
 
 
+def test_a_table_may_be_just_its_name_and_a_key_one_column() -> None:
+    """``tables: [public.orders]`` and ``primary_key: id``, as people write them first, mean what they say;
+    anything else in ``tables`` is still refused by index."""
+    config = parse_config(config_with(tables=["public.orders", {"name": "public.events", "primary_key": "id"}]))
+    assert [(t.key, t.primary_key) for t in config.tables] == [("public.orders", None), ("public.events", ["id"])]
+    assert "tables.1: Input should be a valid dictionary" in config_error(config_with(tables=["public.a", 5]))
+    assert "tables.0.name: expected 'schema.table'" in config_error(config_with(tables=["orders"]))
+
+
 def test_duplicate_tables_rejected() -> None:
     """The same table listed twice (even once quoted) is rejected."""
     message = config_error(config_with(tables=[{"name": "public.orders"}, {"name": '"public".orders'}]))
