@@ -4,6 +4,9 @@ config is ignored. Every step is checked against the live source, row by row."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -233,3 +236,26 @@ def test_a_schema_entry_leaves_out_what_validate_would_refuse(source: SourceDb) 
     # The pipeline's own role (a superuser here) reads sel.hidden and sel.policed whole.
     config = source.config([{"schema": "sel"}])
     assert source.pipeline(config).validate().tables.keys() == {"sel.covered", "sel.hidden", "sel.plain", "sel.policed"}
+
+
+@pytest.mark.usefixtures("spark")
+def test_ctrl_c_stops_run_cleanly_once_spark_runs(source: SourceDb, tmp_path: Path) -> None:
+    """`run` stops on Ctrl-C (SIGINT) by its own handler and exits 0, as the README says, also after
+    its Spark session started: PySpark's context replaced that handler with one raising
+    KeyboardInterrupt, so run exited 130 from wherever it was."""
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.t SELECT g, 'v' FROM generate_series(1, 10) g")
+    config = source.config(["public.t"], materialize={"interval_seconds": 0.5})
+    path = tmp_path / "pg2iceberg.yaml"
+    _write(path, config)
+    command = [str(Path(sys.executable).with_name("pg2iceberg-dagster")), "-c", str(path), "run"]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
+        try:
+            source.execute("UPDATE public.t SET v = 'merged' WHERE id = 1")
+            # Merged: run's Spark session is up.
+            _wait(lambda: process.poll() is None and _mirrored(source, config), [], "the update merged by run")
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=120) == 0, process.stderr.read().decode() if process.stderr else ""
+        finally:
+            if process.poll() is None:
+                process.kill()

@@ -6,6 +6,8 @@ import contextlib
 import glob
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
@@ -89,6 +91,18 @@ def py4j_quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def keeping_sigint() -> Iterator[None]:
+    """Keep the main thread's SIGINT handler across the creation of a SparkContext, which replaces it
+    with one raising KeyboardInterrupt: `run` and `stream` stop cleanly on Ctrl-C through their own."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+
+
 def build_spark_session(config: PipelineConfig, short_lived: bool = False):  # type: ignore[no-untyped-def]
     """Create (or reuse) the SparkSession: ``spark.remote`` for Spark Connect, else ``spark.master``.
 
@@ -104,7 +118,7 @@ def build_spark_session(config: PipelineConfig, short_lived: bool = False):  # t
         settings = {**SHORT_LIVED_CONF, **settings}
     for key, value in settings.items():
         builder = builder.config(key, value)
-    with py4j_quiet():
+    with py4j_quiet(), keeping_sigint():
         session = builder.getOrCreate()
     if not config.spark.remote:
         session.sparkContext.setLogLevel("ERROR")

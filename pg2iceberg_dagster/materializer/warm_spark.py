@@ -34,7 +34,7 @@ from typing import Any
 from ..config import PipelineConfig
 from ..detached import detached_error, process_alive, spawn_with_config
 from ..errors import Pg2IcebergError
-from .spark import build_spark_session, py4j_quiet, spark_conf
+from .spark import build_spark_session, keeping_sigint, py4j_quiet, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _attach(endpoint: dict[str, Any]) -> Any:
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-    with py4j_quiet():
+    with py4j_quiet(), keeping_sigint():
         gateway = JavaGateway(
             gateway_parameters=GatewayParameters(port=endpoint["port"], auth_token=endpoint["token"], auto_convert=True)
         )
