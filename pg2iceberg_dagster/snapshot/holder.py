@@ -30,7 +30,7 @@ import psycopg
 from ..config import PipelineConfig, PostgresConnection
 from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
 from ..detached import detached_error, spawn_with_config
-from ..errors import StartupCheckError
+from ..errors import Pg2IcebergError, StartupCheckError
 from ..source.catalog import published_keys_seen_by
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
@@ -193,7 +193,8 @@ def holder_error(alive: HolderThread | subprocess.Popen[bytes]) -> str:
 
 def _report_slot_wait(config: PipelineConfig, waited: float) -> None:
     """Say why no snapshot is advertised yet: the slot's creation waits for open transactions."""
-    with contextlib.suppress(psycopg.Error), connect(config.source) as conn:
+    waiting_for: list[str] = []
+    with contextlib.suppress(psycopg.Error, Pg2IcebergError), connect(config.source) as conn:
         waiting_for = transactions_holding_slot_creation(conn)
     if waiting_for:
         log.warning(
