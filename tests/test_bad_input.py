@@ -346,3 +346,17 @@ def test_errno_of_a_full_disk_is_enospc(tmp_path: Path) -> None:
     with full_filesystem(tmp_path / "disk"), pytest.raises(OSError) as info:
         (tmp_path / "disk" / "more").write_bytes(b"x" * 8192)
     assert info.value.errno == errno.ENOSPC
+
+
+def test_stream_before_any_snapshot_says_to_take_it(
+    source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stream` (or `verify --catch-up`) before the first snapshot: the slot does not exist yet. A refusal
+    with exit 3 naming the command to run first (a RuntimeError traceback before)."""
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY)")
+    path = _write_config(source.config(["public.t"]), tmp_path)
+    for command in (["stream", "--until-caught-up"], ["verify", "--catch-up"]):
+        code, err = _cli(capsys, path, *command)
+        assert code == 3, err
+        assert "nothing to stream yet: the replication slot is created by the first snapshot" in err
+        assert "Traceback" not in err
