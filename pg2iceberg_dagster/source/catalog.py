@@ -364,20 +364,27 @@ def _near_names(conn: psycopg.Connection, table: TableConfig) -> str:
     return f" (names in the config are exact, case included: did you mean {names}?)"
 
 
+# SQL, true when row-level security hides rows of the pg_class row ``c`` from the current role (it
+# neither bypasses RLS nor, unless RLS is forced, owns the table): its snapshot would copy only those
+# the policies show, while the WAL carries every row's changes.
+ROW_SECURITY_APPLIES = """
+    (c.relrowsecurity
+     AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                     WHERE r.rolname = current_user AND (r.rolsuper OR r.rolbypassrls))
+     AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE')))
+"""
+
+
 def _refuse_unreadable(conn: psycopg.Connection, table: TableConfig, oid: int) -> None:
     """The snapshot and ``verify`` read the table (a partitioned one's leaves directly): the role needs
     SELECT on each, or the first chunk would fail after the slot was created; and row-level security
     must not apply to it, or the snapshot would take the rows its policies show, silently, while the
     WAL carries every row's changes."""
     rows = conn.execute(
-        """
-        SELECT format('%%I.%%I', n.nspname, c.relname), has_table_privilege(c.oid, 'SELECT'),
-               c.relrowsecurity AND NOT (r.rolsuper OR r.rolbypassrls)
-                   AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
-        FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-        JOIN pg_catalog.pg_roles r ON r.rolname = current_user
-        WHERE c.oid = ANY(%s::oid[]) ORDER BY 1
-        """,
+        "SELECT format('%%I.%%I', n.nspname, c.relname), has_table_privilege(c.oid, 'SELECT'), "
+        + ROW_SECURITY_APPLIES
+        + " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = ANY(%s::oid[]) ORDER BY 1",
         ([oid, *(holder for holder in row_holders(conn, oid) if holder != oid)],),
     ).fetchall()
     user = sql.Identifier(conn.info.user).as_string(conn)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import psycopg
 
 from ..config import PipelineConfig, SchemaSelection, TableConfig
+from .catalog import ROW_SECURITY_APPLIES
 from .connection import connect
 
 log = logging.getLogger(__name__)
@@ -30,15 +31,12 @@ def selected_tables(
     """(schema, table) of every table the ``selections`` select, by name, and the keys of those left
     out, each with the reason."""
     rows = conn.execute(
-        """
+        f"""
         SELECT n.nspname, c.relname,
                EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
                c.relpersistence = 'u',
                -- every row readable: SELECT, and no row-level security applying to the role
-               has_table_privilege(c.oid, 'SELECT') AND NOT (c.relrowsecurity
-                   AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                                   WHERE r.rolname = current_user AND (r.rolsuper OR r.rolbypassrls))
-                   AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))),
+               has_table_privilege(c.oid, 'SELECT') AND NOT {ROW_SECURITY_APPLIES},
                -- deletes would not carry the key: REPLICA IDENTITY NOTHING, or USING INDEX without it
                c.relreplident = 'n' OR (c.relreplident = 'i' AND NOT EXISTS (
                    SELECT 1 FROM pg_catalog.pg_index r JOIN pg_catalog.pg_index k ON k.indrelid = r.indrelid
