@@ -225,11 +225,12 @@ def _describe_tables(
     resolver = TypeResolver(conn)
     tables: dict[str, SourceTable] = {}
     refusals: list[StartupCheckError | UnsupportedTypeError] = []  # every table's, so that one run names them all
+    names = _names_now(conn, [state.pg_oid for state in states.values()])
     for configured in config.tables:
         try:
             state = states.get(configured.key)
             if state is not None:
-                _refuse_renamed(conn, configured, state.pg_oid)
+                _refuse_renamed(configured, state.pg_oid, names.get(state.pg_oid))
             table = describe_table(conn, configured, resolver)
             try:
                 iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
@@ -249,20 +250,25 @@ def _describe_tables(
     return tables
 
 
-def _refuse_renamed(conn: psycopg.Connection, configured: TableConfig, oid: int) -> None:
-    """The table mirrored under this name now has another (ALTER TABLE ... RENAME TO, or SET SCHEMA)."""
-    row = conn.execute(
-        "SELECT n.nspname, c.relname, format('%%I.%%I', n.nspname, c.relname) FROM pg_catalog.pg_class c "
-        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s",
-        (oid,),
-    ).fetchone()
-    if row is None or (row[0], row[1]) == (configured.schema_name, configured.table_name):
+def _names_now(conn: psycopg.Connection, oids: list[int]) -> dict[int, tuple[str, str, str]]:
+    """Schema, name and quoted ``schema.name`` of the relations with these oids now (one query)."""
+    rows = conn.execute(
+        "SELECT c.oid, n.nspname, c.relname, format('%%I.%%I', n.nspname, c.relname) FROM pg_catalog.pg_class c "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = ANY(%s::oid[])",
+        (oids,),
+    ).fetchall()
+    return {int(oid): (schema_name, name, quoted) for oid, schema_name, name, quoted in rows}
+
+
+def _refuse_renamed(configured: TableConfig, oid: int, now: tuple[str, str, str] | None) -> None:
+    """The table mirrored under this name now has another (ALTER TABLE ... RENAME TO, or SET SCHEMA);
+    ``now`` is what :func:`_names_now` found for its oid (None: gone, which _check_not_recreated tells)."""
+    if now is None or now[:2] == (configured.schema_name, configured.table_name):
         return
-    now = row[2]
     raise StartupCheckError(
-        f"{configured.key} was renamed to {now} at the source (the same table, oid {oid}; changes made since "
-        f"were staged as {configured.key}'s). Rename it back (ALTER TABLE {now} RENAME TO ...), or mirror it under "
-        f"its new name: name it so in the config, then run {_cleanup_tables([configured.key])} and snapshot"
+        f"{configured.key} was renamed to {now[2]} at the source (the same table, oid {oid}; changes made since "
+        f"were staged as {configured.key}'s). Rename it back (ALTER TABLE {now[2]} RENAME TO ...), or mirror it "
+        f"under its new name: name it so in the config, then run {_cleanup_tables([configured.key])} and snapshot"
     )
 
 
