@@ -1,5 +1,5 @@
 """Folded rows as the Arrow table Spark merges: typed like the Iceberg table (in the types Spark
-can read), with the the ``OP_COLUMN`` and ``UNCHANGED_COLUMN`` columns the MERGE statement reads."""
+can read), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN`` columns the MERGE statement reads."""
 
 from __future__ import annotations
 

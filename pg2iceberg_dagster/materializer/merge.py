@@ -418,10 +418,11 @@ class Materializer:
                 staged.append((relation, changes))
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.
-            newest = staged[-1][0] if staged else None
-            _refuse_unkeyed(self.config.table(table_key), [relation for relation, _ in staged])
-            _refuse_changed_key(table_key, table, [relation for relation, _ in staged])
-            refuse_unfollowable_retypes(table_key, [(relation.columns, relation.file_node) for relation, _ in staged])
+            relations = [relation for relation, _ in staged]
+            newest = relations[-1] if relations else None
+            _refuse_unkeyed(self.config.table(table_key), relations)
+            _refuse_changed_key(table_key, table, relations)
+            refuse_unfollowable_retypes(table_key, [(relation.columns, relation.file_node) for relation in relations])
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
             if schema_changes:
                 table = self.catalog.load_table(identifier)
