@@ -17,7 +17,7 @@ from .coordination.store import CoordinationStore
 from .iceberg.catalog import table_identifier
 from .source.catalog import publication_tables, table_list
 from .source.connection import connect
-from .staging.store import ObjectStore, staged_file_lsn
+from .staging.store import ObjectStore, legacy_table_location, staged_file_lsn, table_location
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,27 @@ def collect_garbage(config: PipelineConfig, store: CoordinationStore) -> Cleanup
 
 def collect_table_garbage(store: CoordinationStore, objects: ObjectStore, table_key: str, flushed: int) -> int:
     """Delete ``table_key``'s staged files every group has applied, and its uploads no registration
-    names at or below ``flushed`` (the flushed LSN); returns how many files."""
+    names at or below ``flushed`` (the flushed LSN); returns how many files. Only the table's own
+    folder is listed, never another table's (see :func:`~.staging.store.table_location`); the folder
+    of the first staging layout is swept too, once."""
     deleted = 0
     for path in store.delete_log_entries_before(table_key, store.min_mat_cursor(table_key)):
         objects.delete(path)
         deleted += 1
     registered = {entry.path for entry in store.log_entries(table_key, -1)}
-    for key in objects.list(f"{table_key}/"):
+    deleted += _delete_unregistered(objects, table_location(table_key), registered, flushed)
+    if store.on_legacy_staging(table_key):
+        legacy = legacy_table_location(table_key)
+        if legacy is not None:
+            deleted += _delete_unregistered(objects, legacy, registered, flushed)
+        store.record_legacy_staging_swept(table_key)
+    return deleted
+
+
+def _delete_unregistered(objects: ObjectStore, folder: str, registered: set[str], flushed: int) -> int:
+    """Delete the staged files directly in ``folder`` that no registration names, at or below ``flushed``."""
+    deleted = 0
+    for key in objects.files_in(folder):
         lsn = staged_file_lsn(key)
         # A file newer than flushed_lsn may belong to a flush that is registering right now.
         if key not in registered and lsn is not None and lsn <= flushed:
@@ -62,6 +76,7 @@ def reset_table(
     """Forget a table (state, staged log, cursor) and drop its Iceberg table (unless not
     ``drop_iceberg``); the next snapshot redoes it."""
     objects = ObjectStore(config.staging)
+    legacy = legacy_table_location(table_key) if store.on_legacy_staging(table_key) else None
     with store.conn.transaction():
         paths = store.delete_log_entries_before(table_key, 2**62)
         for statement in (
@@ -72,6 +87,10 @@ def reset_table(
             store.conn.execute(statement, (table_key,))
     for path in paths:
         objects.delete(path)
+    flushed = store.flushed_lsn() or 0
+    for folder in (table_location(table_key), legacy):
+        if folder is not None:
+            _delete_unregistered(objects, folder, set(), flushed)
     if drop_iceberg:
         with contextlib.suppress(NoSuchTableError):
             catalog.drop_table(table_identifier(config, table_key))

@@ -12,7 +12,7 @@ from moto.server import ThreadedMotoServer
 from pg2iceberg_dagster.cleanup import collect_garbage
 from pg2iceberg_dagster.embedded import free_port
 from pg2iceberg_dagster.staging.codec import decode
-from pg2iceberg_dagster.staging.store import ObjectStore
+from pg2iceberg_dagster.staging.store import ObjectStore, table_location
 
 from .conftest import SourceDb
 
@@ -68,7 +68,7 @@ def test_flusher_stages_to_s3_and_cleanup_deletes_there(source: SourceDb, s3_end
         ("D", {"id": "4"}),
         ("I", {"id": "11", "v": "new"}),
     ]
-    listed = store.list("public.orders/")
+    listed = store.files_in(table_location("public.orders"))
     assert sorted(listed) == sorted(entry.path for entry in entries)
 
     # Once every group has applied the log, cleanup removes the files from the bucket.
@@ -76,7 +76,7 @@ def test_flusher_stages_to_s3_and_cleanup_deletes_there(source: SourceDb, s3_end
         "default", "public.orders", entries[-1].end_offset, entries[-1].flushable_lsn, None
     )
     assert collect_garbage(pipeline.config, pipeline.store).files_deleted == len(entries)
-    assert store.list("public.orders/") == []
+    assert store.files_in(table_location("public.orders")) == []
 
 
 def test_dagster_staging_resource_supplies_s3_credentials(source: SourceDb, s3_endpoint: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -127,4 +127,4 @@ def test_a_flush_over_many_tables_uploads_every_file_to_s3(source: SourceDb, s3_
     for name in names:
         (entry,) = pipeline.store.log_entries(f"public.{name}", 0)
         assert [(c.op, c.data) for c in decode(store.get(entry.path))[1]] == [("I", {"id": "1", "v": name})]
-        assert store.list(f"public.{name}/") == [entry.path]
+        assert store.files_in(table_location(f"public.{name}")) == [entry.path]

@@ -155,6 +155,16 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.tables ADD COLUMN maintained_at timestamptz;
         """,
     ),
+    (
+        8,
+        """
+        -- Staging layout 2 gives each table a folder of its own (staging/store.py table_location); a
+        -- table registered under layout 1 may have files left in its old folder, which cleanup sweeps
+        -- once, then moves it to 2. Tables registered from now on start at 2.
+        ALTER TABLE _pg2iceberg.tables ADD COLUMN staging_layout smallint NOT NULL DEFAULT 1;
+        ALTER TABLE _pg2iceberg.tables ALTER COLUMN staging_layout SET DEFAULT 2;
+        """,
+    ),
 ]
 
 

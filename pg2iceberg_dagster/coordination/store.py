@@ -266,6 +266,18 @@ class CoordinationStore:
         """Maintenance finished a pass over ``table_name`` now."""
         self.conn.execute("UPDATE _pg2iceberg.tables SET maintained_at = now() WHERE table_name = %s", (table_name,))
 
+    def on_legacy_staging(self, table_name: str) -> bool:
+        """Whether ``table_name`` was registered under the first staging layout and its old folder has
+        not been swept yet (see :func:`~..cleanup.collect_table_garbage`)."""
+        row = self.conn.execute(
+            "SELECT staging_layout < 2 FROM _pg2iceberg.tables WHERE table_name = %s", (table_name,)
+        ).fetchone()
+        return bool(row and row[0])
+
+    def record_legacy_staging_swept(self, table_name: str) -> None:
+        """The old staging folder of ``table_name`` holds nothing left to sweep."""
+        self.conn.execute("UPDATE _pg2iceberg.tables SET staging_layout = 2 WHERE table_name = %s", (table_name,))
+
     def start_table_snapshot(
         self, table_name: str, pg_oid: int, iceberg_table: str, snapshot_lsn: int | None, chunks: Sequence[Chunk]
     ) -> list[Chunk]:

@@ -14,6 +14,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from ..config import PipelineConfig, secret_from_env
+from ..paths import path_segment
 from ..source.catalog import SourceTable
 from .evolution import attnum_properties
 from .layout import initial_layout
@@ -134,8 +135,24 @@ def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) 
     properties = {**config.iceberg.table_properties, **attnum_properties(schema, source.columns)}
     spec, sort_order = initial_layout(schema, config.table(source.key), source.columns)
     return catalog.create_table_if_not_exists(
-        identifier, schema, partition_spec=spec, sort_order=sort_order, properties=properties
+        identifier,
+        schema,
+        location=_location(config, identifier),
+        partition_spec=spec,
+        sort_order=sort_order,
+        properties=properties,
     )
+
+
+def _location(config: PipelineConfig, identifier: tuple[str, str]) -> str | None:
+    """Where a new table's files go when its names are not plain (``?`` or ``#`` would end the path
+    of a URL, ``/`` nest it): ``<warehouse>/<namespace segment>/<name segment>``. None (the catalog's
+    own default, the same path) for plain names, and where the warehouse is not a path (a REST
+    catalog's warehouse may name it; the catalog places the files)."""
+    segments = [path_segment(part) for part in identifier]
+    if segments == list(identifier) or "://" not in config.iceberg.warehouse:
+        return None
+    return "/".join([config.iceberg.warehouse.rstrip("/"), *segments])
 
 
 def commit_with_retry(operation: Callable[[], T], attempts: int = 8) -> T:

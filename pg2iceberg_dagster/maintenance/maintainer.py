@@ -157,7 +157,7 @@ class Maintainer:
         crash left (older than the orphan age: a merge of another consumer group may be reading one)."""
         removed = collect_table_garbage(self.store, self.objects, table_key, self.store.flushed_lsn() or 0)
         cutoff = time.time() - self.settings.orphan_min_age_hours * 3600
-        for key, modified in self.objects.modified(merge_batch_prefix(table_key)).items():
+        for key, modified in self.objects.modified(merge_batch_prefix(table_key), recursive=False).items():
             if modified <= cutoff:
                 self.objects.delete(key)
                 removed += 1

@@ -11,20 +11,39 @@ from pyarrow import fs
 
 from ..config import StagingConfig
 from ..errors import StagingError
+from ..paths import digest_segment
 
 # Uploads at once to S3 when a flush stages many files (each PUT mostly waits on the network).
 PARALLEL_PUTS = 8
 
 
+def table_location(table: str) -> str:
+    """The staging folder of ``table`` (its ``schema.table`` key): one path segment that no other
+    table's folder can equal, contain or sit in, and that cannot leave the staging root, whatever the
+    table's name holds (``a.b`` and ``a.b/c``, ``../..``, characters special to S3 keys)."""
+    return digest_segment(table)
+
+
+def legacy_table_location(table: str) -> str | None:
+    """The folder the first staging layout gave ``table`` (its raw key), where files staged before
+    the layout changed may still lie; None when that path was not confined to one folder of its own
+    under the staging root (a ``.``, ``..`` or empty segment): such files are left alone."""
+    segments = table.split("/")
+    if any(segment in ("", ".", "..") for segment in segments):
+        return None
+    return table
+
+
 def staged_file_key(table: str, lsn: int) -> str:
-    """Where a staged file of ``table`` whose last change is at ``lsn`` goes: ``<table>/<LSN hex>-<id>.parquet``."""
-    return f"{table}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
+    """Where a staged file of ``table`` whose last change is at ``lsn`` goes:
+    ``<table location>/<LSN hex>-<id>.parquet``."""
+    return f"{table_location(table)}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
 
 
 def merge_batch_prefix(table: str) -> str:
     """Where the materializer stages a prepared batch of ``table`` for Spark to read (deleted after
     the merge; a crash can leave one, which maintenance deletes)."""
-    return f"_batches/{table}/"
+    return f"_batches/{table_location(table)}/"
 
 
 def staged_file_lsn(key: str) -> int | None:
@@ -118,15 +137,21 @@ class ObjectStore:
         """Keys under ``prefix`` (recursive)."""
         return sorted(self.modified(prefix))
 
-    def modified(self, prefix: str = "") -> dict[str, float]:
-        """Keys under ``prefix`` (recursive) with the time each was last written (epoch seconds)."""
-        selector = fs.FileSelector(self._full(prefix).rstrip("/"), recursive=True, allow_not_found=True)
+    def modified(self, prefix: str = "", recursive: bool = True) -> dict[str, float]:
+        """Keys under ``prefix`` with the time each was last written (epoch seconds); with
+        ``recursive=False`` only the files directly in the folder ``prefix``, none of its subfolders'."""
+        selector = fs.FileSelector(self._full(prefix).rstrip("/"), recursive=recursive, allow_not_found=True)
         base = len(self.root) + 1
         return {
             info.path[base:]: info.mtime.timestamp() if info.mtime else 0.0
             for info in self.filesystem.get_file_info(selector)
             if info.is_file
         }
+
+    def files_in(self, folder: str) -> list[str]:
+        """Keys of the files directly in ``folder`` (a table's location): exactly that folder, never
+        a subfolder, so one table's listing cannot reach another's files."""
+        return sorted(self.modified(f"{folder}/", recursive=False))
 
     def uri(self, key: str) -> str:
         """The key as a URL (for readers such as Spark)."""
