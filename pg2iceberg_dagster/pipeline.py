@@ -40,7 +40,7 @@ from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.catalog import SourceTable, TypeResolver, describe_table, modification_count
 from .source.connection import KeptConnection, connect, consistent_read
 from .source.lsn import current_wal_lsn, format_lsn
-from .source.selection import resolve_tables
+from .source.selection import resolve_tables_left_out
 from .validation import StartupReport, check_startup, slot_info
 from .verify import KeySlice, TableDiff, choose_key_slice, compare_table, sliceable
 
@@ -189,7 +189,8 @@ class Pipeline:
         detached_holder: bool = False,
         metrics: PipelineMetrics | None = None,
     ) -> None:
-        self.config = resolve_tables(config)  # a schema entry's tables, as the source has them now
+        # A schema entry's tables, as the source has them now, and those it leaves out (with why).
+        self.config, self.left_out = resolve_tables_left_out(config)
         # ``detached_holder``: the snapshot's holder runs as a process that outlives this one (see
         # snapshot.holder), as the CLI and Dagster runs need; else as a thread here.
         self.detached_holder = detached_holder

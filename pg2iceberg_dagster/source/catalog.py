@@ -10,6 +10,7 @@ import psycopg
 from psycopg import sql
 
 from ..config import PostgresConnection, TableConfig
+from ..coordination.migrations import SCHEMA as COORDINATION_SCHEMA
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..iceberg.terms import quote_column
 from .connection import connect
@@ -375,6 +376,31 @@ ROW_SECURITY_APPLIES = """
 """
 
 
+# Tables of the pipeline's own (c: pg_class, n: pg_namespace), never mirrored: the coordination schema,
+# and an Iceberg SQL catalog's tables (wherever the catalog created them: every Iceberg commit writes
+# ``iceberg_tables``, so mirroring it would feed itself). A SQL catalog table is told by its name and
+# its ``catalog_name`` column; NULL for any other table, else why it is the pipeline's own.
+PIPELINE_OWN_REASON = f"""
+    CASE WHEN n.nspname = '{COORDINATION_SCHEMA}'
+         THEN 'the pipeline''s coordination state (schema {COORDINATION_SCHEMA})'
+         WHEN c.relname IN ('iceberg_tables', 'iceberg_namespace_properties') AND EXISTS (
+             SELECT 1 FROM pg_catalog.pg_attribute a
+             WHERE a.attrelid = c.oid AND a.attname = 'catalog_name' AND NOT a.attisdropped)
+         THEN 'an Iceberg SQL catalog''s table: every Iceberg commit writes it, so mirroring it would feed itself'
+    END
+"""
+
+
+def _refuse_pipeline_own(conn: psycopg.Connection, table: TableConfig, oid: int) -> None:
+    reason = conn.execute(
+        f"SELECT {PIPELINE_OWN_REASON} FROM pg_catalog.pg_class c "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s",
+        (oid,),
+    ).fetchone()
+    if reason and reason[0]:
+        raise StartupCheckError(f"{table.key} is {reason[0]}; remove it from tables in the config")
+
+
 def _refuse_unreadable(conn: psycopg.Connection, table: TableConfig, oid: int) -> None:
     """The snapshot and ``verify`` read the table (a partitioned one's leaves directly): the role needs
     SELECT on each, or the first chunk would fail after the slot was created; and row-level security
@@ -424,6 +450,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
             f"{table.key} is UNLOGGED: its changes are not written to the WAL, so logical replication cannot "
             f"carry them; run ALTER TABLE {table.name} SET LOGGED, or remove {table.key} from the config"
         )
+    _refuse_pipeline_own(conn, table, oid)
     if relkind == "p":
         try:
             leaves(conn, oid)

@@ -7,7 +7,8 @@ again: by every command at its start, and by ``run`` every few seconds (``lifecy
 A selected table that validate would refuse (no primary key, UNLOGGED, not readable by the role, a
 replica identity without the key, a key Iceberg cannot take) is left out with a warning: one such
 table must not stop a whole schema (name a keyless one in ``tables`` with a ``primary_key`` to
-mirror it).
+mirror it). So are the pipeline's own tables (the coordination schema, an Iceberg SQL catalog's
+tables), which validate refuses when named in ``tables``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 import psycopg
 
 from ..config import PipelineConfig, SchemaSelection, TableConfig
-from .catalog import ROW_SECURITY_APPLIES
+from .catalog import PIPELINE_OWN_REASON, ROW_SECURITY_APPLIES
 from .connection import connect
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def selected_tables(
                    JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
                    JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
                    WHERE i.indrelid = c.oid AND i.indisprimary AND (t.typcategory = 'A'
-                     OR coalesce(nullif(t.typbasetype, 0), t.oid) IN ('float4'::regtype, 'float8'::regtype)))
+                     OR coalesce(nullif(t.typbasetype, 0), t.oid) IN ('float4'::regtype, 'float8'::regtype))),
+               {PIPELINE_OWN_REASON}
         FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname = ANY(%s) AND c.relkind IN ('r', 'p') AND NOT c.relispartition
         ORDER BY 1, 2
@@ -57,13 +59,13 @@ def selected_tables(
     ).fetchall()
     found: list[tuple[str, str]] = []
     left_out: dict[str, str] = {}
-    for schema_name, table_name, has_key, unlogged, readable, identity_lacks_key, key_not_identifier in rows:
+    for schema_name, table_name, has_key, unlogged, readable, identity_lacks_key, key_not_identifier, own in rows:
         for selection in selections:
             if selection.schema_name != schema_name:
                 continue
             included = any(fnmatch.fnmatchcase(table_name, pattern) for pattern in selection.include)
             if included and not any(fnmatch.fnmatchcase(table_name, pattern) for pattern in selection.exclude):
-                reason = _left_out_because(has_key, unlogged, readable, identity_lacks_key, key_not_identifier)
+                reason = own or _left_out_because(has_key, unlogged, readable, identity_lacks_key, key_not_identifier)
                 if reason:
                     left_out[f"{schema_name}.{table_name}"] = reason
                 else:
@@ -92,8 +94,13 @@ def _left_out_because(
 def resolve_tables(config: PipelineConfig, warn: bool = True) -> PipelineConfig:
     """``config`` with the tables its schema entries select now added to ``tables`` (a table also
     named in ``tables`` keeps that entry); unchanged without schema entries."""
+    return resolve_tables_left_out(config, warn)[0]
+
+
+def resolve_tables_left_out(config: PipelineConfig, warn: bool = True) -> tuple[PipelineConfig, dict[str, str]]:
+    """:func:`resolve_tables`, and the keys of the tables its schema entries leave out, each with why."""
     if not config.schemas:
-        return config
+        return config, {}
     with connect(config.source) as conn:
         found, left_out = selected_tables(conn, config.schemas)
     if left_out and warn:
@@ -104,4 +111,4 @@ def resolve_tables(config: PipelineConfig, warn: bool = True) -> PipelineConfig:
         for schema_name, table_name in found
         if f"{schema_name}.{table_name}" not in named
     ]
-    return config.model_copy(update={"tables": [*config.tables, *added]})
+    return config.model_copy(update={"tables": [*config.tables, *added]}), left_out
