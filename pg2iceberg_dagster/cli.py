@@ -15,15 +15,19 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from .config import TableConfig, load_config
-from .errors import ConfigError, Pg2IcebergError
+from .errors import NOT_CURRENT_EXIT_CODE, ConfigError, Pg2IcebergError
 from .lifecycle import run_following_config
 from .pipeline import Pipeline
 from .source.lsn import format_lsn
 from .verify import print_diffs
+
+if TYPE_CHECKING:
+    from .materializer.merge import MergeResult
 
 DEFAULT_CONFIG = "pg2iceberg.yaml"
 
@@ -46,6 +50,8 @@ def cmd_validate(pipeline: Pipeline, args: argparse.Namespace) -> int:
     print(f"    slot {pipeline.config.replication.slot}: {'exists' if report.slot else 'not created yet'}")
     for key, table in report.tables.items():
         print(f"    {key}: {len(table.columns)} columns, primary key ({', '.join(table.primary_key)})")
+    for key, reason in pipeline.left_out.items():
+        print(f"    {key}: left out of its schema entry: {reason}")
     _print_no_longer_configured(pipeline.no_longer_configured())
     return 0
 
@@ -103,12 +109,10 @@ def cmd_stream(pipeline: Pipeline, args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_merge(results) -> None:  # type: ignore[no-untyped-def]
+def _print_merge(results: dict[str, MergeResult]) -> None:
     for key, result in results.items():
-        if result.waiting_for_snapshot:
-            print(f"{key}: waiting for its snapshot to complete")
-        elif result.resync_reason:
-            print(f"{key}: waiting for an online resync ({result.resync_reason}): `resync --table {key}` runs it")
+        if result.not_current:
+            print(f"{key}: not up to date, {result.not_current}")
         else:
             print(
                 f"{key}: {result.changes} changes ({result.upserts} upserts, {result.deletes} deletes) "
@@ -118,9 +122,20 @@ def _print_merge(results) -> None:  # type: ignore[no-untyped-def]
 
 def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
     tables = args.table or None
+    if not args.once and (args.resync or args.json):
+        raise ConfigError("materialize: --resync and --json go with --once")
     if args.once:
-        _print_merge(pipeline.materialize(tables))
-        return 0
+        results = pipeline.materialize(tables)
+        pending = [key for key, result in results.items() if result.resync_reason]
+        if args.resync and pending:
+            for key in pending:
+                _resync(pipeline, key)
+            results = pipeline.materialize(tables)  # what was staged meanwhile
+        if args.json:
+            print(json.dumps([result.as_json() for result in results.values()], indent=2))
+        else:
+            _print_merge(results)
+        return NOT_CURRENT_EXIT_CODE if any(result.not_current for result in results.values()) else 0
     stop = _stop_on_signals()
     pipeline.validate()
     materializer = pipeline.materializer()
@@ -147,12 +162,16 @@ def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
     if not keys:
         print("no resync pending; name a table with --table")
     for key in keys:
-        with _progress(None, "chunk", f"resync {key}") as bar:
-            result = pipeline.resync(key, on_chunk=lambda chunk, rows, bar=bar: bar.update(1))
-        print(f"{key}: {result.rows} rows in {result.chunks} chunks, switched in one commit (epoch {result.epoch})")
-        if result.schema_changes:
-            print(f"    schema: {', '.join(result.schema_changes)}")
+        _resync(pipeline, key)
     return 0
+
+
+def _resync(pipeline: Pipeline, key: str) -> None:
+    with _progress(None, "chunk", f"resync {key}") as bar:
+        result = pipeline.resync(key, on_chunk=lambda chunk, rows, bar=bar: bar.update(1))
+    print(f"{key}: {result.rows} rows in {result.chunks} chunks, switched in one commit (epoch {result.epoch})")
+    if result.schema_changes:
+        print(f"    schema: {', '.join(result.schema_changes)}")
 
 
 def cmd_maintain(pipeline: Pipeline, args: argparse.Namespace) -> int:
@@ -324,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "materialize":
             command.add_argument("--once", action="store_true", help="one pass up to the current head, then exit")
             command.add_argument("--table", action="append", help="only this table (repeatable)")
+            command.add_argument(
+                "--resync",
+                action="store_true",
+                help="with --once: also run the online resyncs a table waits for, then merge what they left",
+            )
+            command.add_argument("--json", action="store_true", help="with --once: machine-readable output")
         if name == "run":
             command.add_argument(
                 "--metrics-port",

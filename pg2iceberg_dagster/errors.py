@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# Exit code of a command that ran without error but left some tables not up to date (waiting for their
+# snapshot or an online resync): a script must not take it for success, nor for a failure to retry.
+NOT_CURRENT_EXIT_CODE = 6
+
 
 class Pg2IcebergError(Exception):
     """Base class: a refusal with a message meant for the operator."""

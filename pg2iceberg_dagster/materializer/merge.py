@@ -99,6 +99,34 @@ class MergeResult:
         """The LSN the last merged change was flushed at, as PostgreSQL writes LSNs ("none" before any)."""
         return format_lsn(self.last_lsn) if self.last_lsn else "none"
 
+    @property
+    def not_current(self) -> str | None:
+        """Why this merge could not bring the table up to date, with the command that does; None when it did."""
+        if self.waiting_for_snapshot:
+            return "waiting for its snapshot to complete: `snapshot` (or `run`) takes it"
+        if self.resync_reason:
+            return (
+                f"waiting for an online resync ({self.resync_reason}): `resync --table {self.table}` runs it "
+                "(or `materialize --once --resync`)"
+            )
+        return None
+
+    def as_json(self) -> dict[str, Any]:
+        """The result as ``materialize --once --json`` prints it."""
+        return {
+            "table": self.table,
+            "current": self.not_current is None,
+            "not_current_because": self.not_current,
+            "changes": self.changes,
+            "upserts": self.upserts,
+            "deletes": self.deletes,
+            "batches": self.batches,
+            "mat_cursor": self.lag.mat_cursor,
+            "log_head": self.lag.log_head,
+            "last_lsn": self.last_lsn_text,
+            "schema_changes": list(self.schema_changes),
+        }
+
 
 # read: staged files fetched and decoded; fold: folded by key (plus TOAST fills and schema evolution);
 # arrow: typed Arrow rows handed to Spark; spark_start: the session created (first merge of a process);
