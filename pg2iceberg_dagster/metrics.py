@@ -33,7 +33,8 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 
 from .config import PipelineConfig, PostgresConnection, secret_from_env
-from .coordination.store import CoordinationStore, Lag
+from .coordination.records import Lag
+from .coordination.store import CoordinationStore
 from .errors import Pg2IcebergError
 from .iceberg.catalog import open_catalog, table_identifier
 from .maintenance.health import summary_health

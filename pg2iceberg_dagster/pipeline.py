@@ -24,7 +24,8 @@ from pyiceberg.table import Table
 from .checks import ALL_ROWS, ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
 from .cleanup import remove_tables
 from .config import PipelineConfig, TableConfig
-from .coordination.store import Chunk, CoordinationStore, Lag
+from .coordination.records import Chunk, Lag
+from .coordination.store import CoordinationStore
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier

@@ -10,7 +10,8 @@ import psycopg
 from psycopg import sql
 
 from .config import PipelineConfig, TableConfig
-from .coordination.store import CoordinationStore, PipelineMeta, TableState
+from .coordination.records import PipelineMeta, TableState
+from .coordination.store import CoordinationStore
 from .errors import StartupCheckError, UnsupportedTypeError
 from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema

@@ -21,7 +21,7 @@ import pytest
 from psycopg import sql
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
-from pg2iceberg_dagster.coordination.store import Chunk
+from pg2iceberg_dagster.coordination.records import Chunk
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.lifecycle import run_following_config
 from pg2iceberg_dagster.pipeline import Pipeline

@@ -22,7 +22,8 @@ import pytest
 from pg2iceberg_dagster.config import parse_config
 from pg2iceberg_dagster.coordination.memory import InMemoryCoordinationStore
 from pg2iceberg_dagster.coordination.protocol import StagedLogStore
-from pg2iceberg_dagster.coordination.store import Chunk, CoordinationStore, Lag, LogEntry, StagedFile
+from pg2iceberg_dagster.coordination.records import Chunk, Lag, LogEntry, StagedFile
+from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.errors import LeaseBusyError
 from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.materializer.merge import Materializer

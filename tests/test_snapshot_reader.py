@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 from psycopg import sql
 
-from pg2iceberg_dagster.coordination.store import Chunk
+from pg2iceberg_dagster.coordination.records import Chunk
 from pg2iceberg_dagster.errors import Pg2IcebergError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.snapshot.chunks import read_chunk

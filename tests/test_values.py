@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from pg2iceberg_dagster.config import OutOfRange
-from pg2iceberg_dagster.coordination.store import Chunk
+from pg2iceberg_dagster.coordination.records import Chunk
 from pg2iceberg_dagster.errors import UnsupportedTypeError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.snapshot.chunks import read_chunk

@@ -18,8 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import LeaseBusyError
-from .protocol import take_batch
-from .store import Chunk, Lag, LogEntry, SnapshotEpoch, StagedFile, TableState
+from .records import Chunk, Lag, LogEntry, SnapshotEpoch, StagedFile, TableState, take_batch
 
 
 @dataclass(frozen=True)

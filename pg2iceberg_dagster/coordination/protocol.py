@@ -10,27 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..errors import LeaseBusyError
-
-if TYPE_CHECKING:  # store.py may import take_batch from here
-    from .store import Lag, LogEntry, SnapshotEpoch, StagedFile, TableState
-
-
-def take_batch(entries: Iterable[LogEntry], max_rows: int | None) -> list[LogEntry]:
-    """The leading ``entries`` (in offset order) that hold about ``max_rows`` changes: stop before the
-    entry that would pass ``max_rows``, but take the first entry whatever its size."""
-    batch: list[LogEntry] = []
-    total = 0
-    for entry in entries:
-        if batch and max_rows is not None and total + entry.row_count > max_rows:
-            break
-        batch.append(entry)
-        total += entry.row_count
-    return batch
+from .records import Lag, LogEntry, SnapshotEpoch, StagedFile, TableState
 
 
 class StagedLogStore(Protocol):

@@ -31,6 +31,7 @@ from ..source import pgoutput
 from ..source.catalog import SourceTable
 from ..source.replication import XLOG_HEADER
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, StagedRelation, encode_columns, join_names
+from .json_text import PLAIN_TEXT_KINDS, json_string_bodies
 
 if TYPE_CHECKING:
     from .generated import GeneratedColumns
@@ -44,18 +45,6 @@ _TRUNCATE_PAYLOAD = 5
 _INSERT, _UPDATE, _DELETE, _TRUNCATE = ord("I"), ord("U"), ord("D"), ord("T")
 _NEW, _KEY, _OLD = ord("N"), ord("K"), ord("O")
 _NULL, _TOAST, _TEXT = ord("n"), ord("u"), ord("t")
-# Characters JSON requires escaped in a string; rows holding one are escaped by json.dumps.
-_NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
-# Types whose text form never holds one of them (digits, signs, dates, hex...): not searched.
-PLAIN_TEXT_KINDS = frozenset(
-    {
-        *("int2", "int4", "int8", "oid", "float4", "float8", "numeric", "money", "bool"),
-        *("date", "time", "timetz", "timestamp", "timestamptz", "interval"),
-        *("uuid", "inet", "cidr", "macaddr", "macaddr8", "bit", "varbit", "pg_lsn"),
-    }
-)
-
-
 @dataclass(frozen=True)
 class RelationInfo:
     """A configured table as the stream describes it now: its staged relation and tuple positions."""
@@ -118,17 +107,6 @@ def truncate_marker(lsn: int, oid: int) -> bytes:
 def xlog_data(lsn: int, payload: bytes) -> bytes:
     """A WAL data message as the stream delivers it: 'w', WAL start, WAL end, send time, then the payload."""
     return b"w" + _XLOG_START.pack(lsn) + bytes(16) + payload
-
-
-def json_string_bodies(texts: pa.Array) -> pa.Array:
-    """``texts`` as the insides of JSON strings: the few values holding a character JSON requires
-    escaped (found by one kernel call) are escaped by json.dumps, the others are kept as they are."""
-    escape = pc.match_substring_regex(texts, _NEEDS_ESCAPE)
-    if not pc.any(escape).as_py():
-        return texts
-    wrong = pc.take(texts, pc.indices_nonzero(escape)).to_pylist()
-    fixed = pa.array([json.dumps(v, ensure_ascii=False)[1:-1] for v in wrong], pa.string())
-    return pc.replace_with_mask(texts, escape, fixed)
 
 
 def _arange(count: int) -> pa.Array:

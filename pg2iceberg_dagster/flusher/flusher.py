@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
-from ..coordination.store import StagedFile
+from ..coordination.records import StagedFile
 from ..errors import StartupCheckError
 from ..faults import crash_point
 from ..source import pgoutput

@@ -34,7 +34,7 @@ from ..source.catalog import (
     generation_expressions,
 )
 from ..staging.codec import INSERT, UPDATE, join_names, split_names
-from .batch import PLAIN_TEXT_KINDS, json_string_bodies
+from .json_text import PLAIN_TEXT_KINDS, json_string_bodies
 
 # Aliases in the queries below. A generation expression names the table's columns unqualified, and
 # the innermost scope it is evaluated in holds exactly those columns, so these never capture a name.

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..config import FlushConfig
-from ..coordination.store import StagedFile
+from ..coordination.records import StagedFile
 from ..staging.store import ObjectStore, staged_file_key
 from .batch import CompleteRows, MessageBatch, RelationInfo
 from .txbuffer import SpillFile

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError
 from pyiceberg.table import Table
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
@@ -19,8 +17,6 @@ from ..source.catalog import SourceTable
 from .evolution import attnum_properties
 from .layout import initial_layout
 from .types import iceberg_schema
-
-T = TypeVar("T")
 
 
 def shared_catalog_properties(config: PipelineConfig) -> dict[str, str]:
@@ -153,18 +149,6 @@ def _location(config: PipelineConfig, identifier: tuple[str, str]) -> str | None
     if segments == list(identifier) or "://" not in config.iceberg.warehouse:
         return None
     return "/".join([config.iceberg.warehouse.rstrip("/"), *segments])
-
-
-def commit_with_retry(operation: Callable[[], T], attempts: int = 8) -> T:
-    """Run an Iceberg commit, retrying when another writer committed first (optimistic concurrency)."""
-    for attempt in range(attempts):
-        try:
-            return operation()
-        except CommitFailedException:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.05 * (2**attempt))
-    raise AssertionError("unreachable")
 
 
 def snapshot_summaries(table: Table) -> list[dict[str, Any]]:

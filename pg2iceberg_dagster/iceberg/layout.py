@@ -49,6 +49,7 @@ from pyiceberg.types import BinaryType, DoubleType, FloatType, IcebergType, Nest
 
 from ..config import TableConfig
 from ..source.catalog import SourceColumn
+from .commit import commit_with_retry
 from .evolution import column_attnums, field_for
 from .terms import PartitionTerm, SortTerm
 from .types import field_ids, iceberg_type
@@ -297,8 +298,6 @@ def apply_layout(
 ) -> list[str]:
     """Commit :func:`follow_layout` when it changes anything (retrying when another commit came
     first); returns what changed. Cheap when nothing does: no commit, no catalog read."""
-    from .catalog import commit_with_retry  # the catalog creates tables with this module's layout
-
     attempts = 0
 
     def commit() -> list[str]:

@@ -28,10 +28,11 @@ from pyiceberg.table import Table
 
 from ..config import PipelineConfig, TableConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_lease_within
-from ..coordination.store import Lag, LogEntry, SnapshotEpoch
+from ..coordination.records import Lag, LogEntry, SnapshotEpoch
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
-from ..iceberg.catalog import commit_with_retry, table_identifier
+from ..iceberg.catalog import table_identifier
+from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
     clear_pending_fills,

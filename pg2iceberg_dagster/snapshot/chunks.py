@@ -19,8 +19,9 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.sorting import NullOrder, SortDirection
 
 from ..config import OutOfRange
-from ..coordination.store import Chunk
-from ..iceberg.catalog import commit_with_retry, snapshot_summaries
+from ..coordination.records import Chunk
+from ..iceberg.catalog import snapshot_summaries
+from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import source_files_properties, without_pending_fills
 from ..iceberg.types import arrow_schema
 from ..iceberg.values import null_key_refusal, null_key_rows

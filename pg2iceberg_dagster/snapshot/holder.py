@@ -28,7 +28,8 @@ from collections.abc import Iterator
 import psycopg
 
 from ..config import PipelineConfig, PostgresConnection
-from ..coordination.store import AdvertisedSnapshot, CoordinationStore, snapshot_holder_lock
+from ..coordination.records import AdvertisedSnapshot
+from ..coordination.store import CoordinationStore, snapshot_holder_lock
 from ..detached import detached_error, spawn_with_config
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..source.catalog import published_keys_seen_by

@@ -34,7 +34,8 @@ from pyiceberg.table import Table, Transaction
 
 from ..config import PipelineConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, writer_lease_within
-from ..coordination.store import Chunk, CoordinationStore
+from ..coordination.records import Chunk
+from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError
 from ..faults import crash_point
 from ..iceberg.catalog import snapshot_summaries, table_identifier

@@ -22,10 +22,12 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig
-from ..coordination.store import AdvertisedSnapshot, Chunk, CoordinationStore
+from ..coordination.records import AdvertisedSnapshot, Chunk
+from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
-from ..iceberg.catalog import commit_with_retry, ensure_table, table_identifier
+from ..iceberg.catalog import ensure_table, table_identifier
+from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import evolve_schema, rebuild_schema
 from ..iceberg.layout import apply_layout, follow_layout
 from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_by

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..config import PostgresConnection
-from ..coordination.store import Chunk
+from ..coordination.records import Chunk
 from ..source.catalog import SourceTable
 from .chunks import WrittenChunk
 from .reader import ArrowReader
