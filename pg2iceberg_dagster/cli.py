@@ -27,6 +27,7 @@ from .source.lsn import format_lsn
 from .verify import print_diffs
 
 if TYPE_CHECKING:
+    from .flusher.flusher import FlushStats
     from .materializer.merge import MergeResult
 
 DEFAULT_CONFIG = "pg2iceberg.yaml"
@@ -91,7 +92,7 @@ def cmd_stream(pipeline: Pipeline, args: argparse.Namespace) -> int:
     bar = _progress(None, "change", "stream")
     last = [0]
 
-    def on_flush(stats) -> None:  # type: ignore[no-untyped-def]
+    def on_flush(stats: FlushStats) -> None:
         bar.update(stats.changes - last[0])
         last[0] = stats.changes
         bar.set_postfix(flushed_lsn=format_lsn(stats.flushed_lsn), files=stats.files)
@@ -168,7 +169,7 @@ def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 def _resync(pipeline: Pipeline, key: str) -> None:
     with _progress(None, "chunk", f"resync {key}") as bar:
-        result = pipeline.resync(key, on_chunk=lambda chunk, rows, bar=bar: bar.update(1))
+        result = pipeline.resync(key, on_chunk=lambda chunk, rows: bar.update(1))
     print(f"{key}: {result.rows} rows in {result.chunks} chunks, switched in one commit (epoch {result.epoch})")
     if result.schema_changes:
         print(f"    schema: {', '.join(result.schema_changes)}")

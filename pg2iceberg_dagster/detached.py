@@ -47,7 +47,7 @@ def spawn_with_config(argv: Sequence[str], config: PipelineConfig) -> subprocess
     with contextlib.suppress(BrokenPipeError):  # a child that died at once says why on stderr
         process.stdin.write(pickle.dumps(config))
     process.stdin.close()
-    process.stderr = errors  # type: ignore[assignment]
+    process.stderr = errors
     return process
 
 
@@ -59,7 +59,7 @@ def detached_error(process: subprocess.Popen[bytes]) -> str:
     return process.stderr.read().decode(errors="replace").strip()
 
 
-def run_detached(work: Callable[[PipelineConfig, threading.Event], None]) -> int:
+def run_detached(work: Callable[[PipelineConfig, threading.Event], object]) -> int:
     """The body of a detached process: ``work(config, stop)`` with the config its starter sent on
     stdin; SIGTERM and SIGINT set ``stop``. Returns the process's exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

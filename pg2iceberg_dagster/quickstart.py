@@ -210,8 +210,8 @@ def run_quickstart(root: Path, port: int = 54329, seconds: float = 20.0, rows: i
         streamer.start()
         materializer = pipeline.materializer()
         while time.monotonic() - started < seconds:
-            for key, result in materializer.run_once().items():
-                print(f"merged {key}: {result.changes} changes, lag {result.lag.changes}")
+            for key, merged in materializer.run_once().items():
+                print(f"merged {key}: {merged.changes} changes, lag {merged.lag.changes}")
             time.sleep(2)
         stop_writes.set()
         writer.join()

@@ -102,7 +102,7 @@ def _lexicographic(columns: tuple[str, ...], values: tuple[int, ...], strict: ty
     if len(columns) == 1:
         return inclusive(columns[0], values[0])
     rest = _lexicographic(columns[1:], values[1:], strict, inclusive)
-    return Or(strict(columns[0], values[0]), And(EqualTo(columns[0], values[0]), rest))
+    return Or(strict(columns[0], values[0]), And(EqualTo(columns[0], values[0]), rest))  # type: ignore[call-arg, misc]  # pyiceberg takes (term, literal)
 
 
 def sliceable(source: SourceTable) -> bool:

@@ -5,6 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/pytest ] || bash scripts/setup.sh
 .venv/bin/ruff check pg2iceberg_dagster assets jobs resources sensors definitions.py tests soak bench || exit 1
+.venv/bin/mypy || exit 1  # [tool.mypy] in pyproject.toml says what it checks
 DAGSTER_HOME="$(mktemp -d)" PG2ICEBERG_CONFIG="${PG2ICEBERG_CONFIG:-examples/pg2iceberg.yaml}" \
   .venv/bin/dagster definitions validate -w workspace.yaml >/dev/null 2>&1 || { echo "dagster definitions validate failed" >&2; exit 1; }
 .venv/bin/pytest -p no:cacheprovider "$@"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class InMemoryCoordinationStore:
         self._flushed_lsn: int | None = None
         self._next_offset: dict[str, int] = {}  # log_seq
         self._log: dict[str, list[LogEntry]] = {}  # log_index, in offset order
+        self._registered_at: dict[tuple[str, int], float] = {}  # (table, start offset) -> time.monotonic()
         self._cursors: dict[tuple[str, str], _Cursor] = {}  # mat_cursor by (group, table)
         self._consumers: dict[tuple[str, str], str] = {}  # the worker that last took each lease
         self._leased: set[tuple[str, str]] = set()  # leases held now
@@ -177,6 +179,7 @@ class InMemoryCoordinationStore:
             self._next_offset = next_offset
             for entry in entries:
                 self._log.setdefault(entry.table_name, []).append(entry)
+                self._registered_at[(entry.table_name, entry.start_offset)] = time.monotonic()
             self._advance_flushed_lsn(flushed_lsn)
             return entries
 
@@ -210,6 +213,20 @@ class InMemoryCoordinationStore:
         with self._lock:
             cursor = self._cursors.get((group, table_name))
             return Lag(cursor.next_offset if cursor else 0, self._next_offset.get(table_name, 0))
+
+    def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
+        """Every staged table's :meth:`lag` for ``group``, with the seconds since the file holding its
+        oldest unmerged change was registered (0 when none)."""
+        now = time.monotonic()
+        with self._lock:
+            result: dict[str, tuple[Lag, float]] = {}
+            for table_name, head in self._next_offset.items():
+                cursor = self._cursors.get((group, table_name))
+                lag = Lag(cursor.next_offset if cursor else 0, head)
+                oldest = next((e for e in self._log.get(table_name, []) if e.end_offset > lag.mat_cursor), None)
+                age = now - self._registered_at[(table_name, oldest.start_offset)] if oldest else 0.0
+                result[table_name] = (lag, age)
+            return result
 
     def min_mat_cursor(self, table_name: str) -> int:
         """The lowest cursor of any group that has advanced one on ``table_name`` (0 when none has)."""

@@ -53,6 +53,11 @@ class StagedLogStore(Protocol):
         """``group``'s cursor and the table's log head, read together."""
         ...
 
+    def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
+        """Every staged table's lag for ``group``, with the age in seconds of its oldest unmerged
+        staged change (0 when none)."""
+        ...
+
     def log_head(self, table_name: str) -> int:
         """The next offset the flusher will assign for ``table_name`` (0 when nothing was staged)."""
         ...

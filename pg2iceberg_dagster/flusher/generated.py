@@ -123,7 +123,10 @@ def _evaluation_query(generated: GeneratedColumns, skipping: bool) -> sql.Compos
     ]
     # A generation expression may read tableoid too (PostgreSQL allows that system column).
     inputs.append(sql.SQL("CAST({} AS oid) AS tableoid").format(sql.Literal(generated.table.oid)))
-    values, aggregates, functions, names = [], [], [sql.SQL("jsonb_array_elements(%s::jsonb)")], [sql.SQL("data")]
+    values: list[sql.Composable] = []
+    aggregates: list[sql.Composable] = []
+    functions: list[sql.Composable] = [sql.SQL("jsonb_array_elements(%s::jsonb)")]
+    names: list[sql.Composable] = [sql.SQL("data")]
     for index, column in enumerate(generated.columns):
         value = sql.SQL("CAST(CAST(({}) AS {}) AS text)").format(sql.SQL(column.expression), sql.SQL(column.type_sql))
         if skipping:

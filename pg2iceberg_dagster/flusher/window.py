@@ -10,6 +10,7 @@ spill file and are staged from it, in bounded chunks, at their COMMIT.
 
 from __future__ import annotations
 
+import builtins
 import time
 
 import pyarrow as pa
@@ -87,7 +88,7 @@ class StagedWriter:
         self._memory_bytes = flush.txn_memory_bytes
         self._spill_dir = flush.spill_dir
         self._relations = relations
-        self._messages: list[bytes | memoryview] = []  # whole WAL data messages, as read
+        self._messages: list[builtins.bytes | memoryview] = []  # whole WAL data messages, as read
         self._ts: list[int] = []  # of committed rows only: commit time, Unix microseconds
         self._xids: list[int] = []
         self._committed = 0  # rows at the head of the lists whose transaction committed
@@ -117,7 +118,7 @@ class StagedWriter:
         return self._committed_bytes + self._uploaded_bytes
 
     @property
-    def pending(self) -> list[bytes | memoryview]:
+    def pending(self) -> list[builtins.bytes | memoryview]:
         """Where the open transaction's row messages (whole WAL data messages) are appended, in order.
 
         The stream loop appends to it directly (a method call per message costs more than the append);
@@ -125,7 +126,7 @@ class StagedWriter:
         """
         return self._messages
 
-    def add(self, message: bytes | memoryview) -> None:
+    def add(self, message: builtins.bytes | memoryview) -> None:
         """Append one row message (or TRUNCATE marker) of the open transaction and keep the bound."""
         self._messages.append(message)
         self.bound()
@@ -215,7 +216,7 @@ class StagedWriter:
         self._committed_bytes = 0
         self._relations.forget_before(self._base)
 
-    def _stage(self, messages: list[bytes | memoryview], ts: list[int], xids: list[int]) -> None:
+    def _stage(self, messages: list[builtins.bytes | memoryview], ts: list[int], xids: list[int]) -> None:
         """Upload the staged files of these rows (at most ``max_rows``; the first is row ``self._base``):
         one per table, or more where a table's description changed among them."""
         started = time.thread_time()
@@ -235,7 +236,7 @@ class StagedWriter:
         self._uploaded_bytes += sum(map(len, messages))
         self.stage_seconds += time.thread_time() - started
 
-    def _encode(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> tuple[StagedFile, bytes]:
+    def _encode(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> tuple[StagedFile, builtins.bytes]:
         """The staged file of ``rows`` of one table, and its bytes."""
         table = info.relation.table
         encoded = batch.encode(info, rows, self._complete)

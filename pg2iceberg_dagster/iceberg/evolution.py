@@ -29,6 +29,15 @@ from ..errors import ResyncRequiredError
 from ..source.catalog import SourceColumn, SourceFiles
 from .types import field_ids, iceberg_type
 
+
+def column_name(schema: Schema, field_id: int) -> str:
+    """The full name of the field ``field_id`` of ``schema`` (KeyError when it has none: a field
+    the caller took from this very schema always has one)."""
+    name = schema.find_column_name(field_id)
+    if name is None:
+        raise KeyError(f"field id {field_id} is not in the schema")
+    return name
+
 COLUMN_ATTNUMS = "pg2iceberg.column-attnums"
 PENDING_FILLS = "pg2iceberg.pending-fills"
 # The source table's relfilenode as the snapshot (or resync) the rows were read in saw it. Only a
@@ -242,7 +251,7 @@ def _plan(
             retyped.append(column.name)
         elif fit == "incompatible":
             _refuse_incompatible_type(table_key, column.name, current.field_type, wanted)
-    retyped += [schema.find_column_name(field_id) for field_id, _ in plan.widenings]
+    retyped += [column_name(schema, field_id) for field_id, _ in plan.widenings]
     recorded = table.properties.get(SOURCE_FILE_NODE)
     if retyped and not rebuild and file_node is not None and recorded and int(recorded) != file_node:
         # PostgreSQL rewrites the table for int->bigint, real->double and a narrowing, and for any
@@ -305,7 +314,7 @@ def refuse_unfollowable_retypes(table_key: str, versions: Sequence[tuple[Sequenc
         before = {column.attnum: column for column in older if column.attnum is not None}
         rewritten = older_node is not None and newer_node is not None and older_node != newer_node
         for column in newer:
-            previous = before.get(column.attnum)
+            previous = before.get(column.attnum) if column.attnum is not None else None
             if previous is None or previous.type == column.type:
                 continue
             was = iceberg_type(previous.type, column.name, element_ids)
@@ -356,7 +365,7 @@ def evolve_schema(
         # in between is harmless: the next evolution finds them by identity).
         with table.update_schema() as update:
             for field_id in plan.renames:
-                update.rename_column(schema.find_column_name(field_id), f"__pg2iceberg_renaming_{field_id}")
+                update.rename_column(column_name(schema, field_id), f"__pg2iceberg_renaming_{field_id}")
     with table.transaction() as transaction:
         _apply_plan(transaction, table, plan, fills=_json_property(table, PENDING_FILLS))
     return plan.changes
@@ -372,13 +381,13 @@ def _apply_plan(
     with transaction.update_schema(allow_incompatible_changes=bool(key)) as update:
         current = transaction.table_metadata.schema()
         for field_id in [*plan.replaced, *plan.deleted]:
-            update.delete_column(current.find_column_name(field_id))
+            update.delete_column(column_name(current, field_id))
             attnums.pop(field_id, None)
             fills.pop(str(field_id), None)
         for field_id, name in plan.renames.items():
-            update.rename_column(current.find_column_name(field_id), name)
+            update.rename_column(column_name(current, field_id), name)
         for field_id, wanted in plan.widenings:
-            update.update_column(current.find_column_name(field_id), field_type=wanted)
+            update.update_column(column_name(current, field_id), field_type=wanted)
         for column, wanted in plan.additions:
             update.add_column(column.name, wanted, required=column.name in key)
         if key:

@@ -50,7 +50,7 @@ from pyiceberg.types import BinaryType, DoubleType, FloatType, IcebergType, Nest
 from ..config import TableConfig
 from ..source.catalog import SourceColumn
 from .commit import commit_with_retry
-from .evolution import column_attnums, field_for
+from .evolution import column_attnums, column_name, field_for
 from .terms import PartitionTerm, SortTerm
 from .types import field_ids, iceberg_type
 
@@ -281,7 +281,7 @@ def follow_layout(
     elif list(metadata.sort_order().fields) != sort_fields:
         with transaction.update_sort_order() as update:
             for sort_field in sort_fields:
-                name = schema.find_column_name(sort_field.source_id)
+                name = column_name(schema, sort_field.source_id)
                 add = update.desc if sort_field.direction == SortDirection.DESC else update.asc
                 add(name, IdentityTransform(), sort_field.null_order)
         terms = ", ".join(str(term) for term, _ in layout.sort) or "unsorted"

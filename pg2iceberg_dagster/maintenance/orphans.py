@@ -11,6 +11,7 @@ import time
 
 from pyarrow import fs
 from pyiceberg.io.pyarrow import PyArrowFileIO
+from pyiceberg.manifest import ManifestFile
 from pyiceberg.table import Table
 
 
@@ -28,7 +29,7 @@ def referenced_files(table: Table) -> set[str]:
     locations = {table.metadata_location, *(entry.metadata_file for entry in metadata.metadata_log)}
     locations.update(statistics.statistics_path for statistics in metadata.statistics)
     locations.update(statistics.statistics_path for statistics in metadata.partition_statistics)
-    manifests = {}
+    manifests: dict[str, ManifestFile] = {}
     for snapshot in metadata.snapshots:
         locations.add(snapshot.manifest_list)
         for manifest in snapshot.manifests(table.io):

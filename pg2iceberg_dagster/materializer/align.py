@@ -76,7 +76,7 @@ def _aligned_changes(changes: pa.Table, mapping: _Mapping) -> pa.Table:
             row = {target: value for name, value in row.items() if (target := mapping.targets.get(name, name))}
             row.update(fills)
         data.append(json.dumps(row, separators=(",", ":")))
-    unchanged = []
+    unchanged: list[str | None] = []
     for text in changes.column("_unchanged_cols").to_pylist():
         if text is None:
             unchanged.append(None)

@@ -72,7 +72,7 @@ def on_lanes(
     started yet are then dropped)."""
     lanes = _LanePerThread(open_lane)
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="lane") as pool:
-        pending: dict[Future[Result], Item] = {pool.submit(lambda i=item: work(lanes(), i)): item for item in items}
+        pending: dict[Future[Result], Item] = {pool.submit(_on_lane, lanes, work, item): item for item in items}
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -88,3 +88,7 @@ def on_lanes(
             pool.shutdown(wait=True)
             for lane in lanes.opened():
                 close_lane(lane)
+
+
+def _on_lane(lanes: Callable[[], Lane], work: Callable[[Lane, Item], Result], item: Item) -> Result:
+    return work(lanes(), item)

@@ -37,6 +37,7 @@ from ..iceberg.evolution import (
     SOURCE_LEAVES,
     clear_pending_fills,
     column_attnums,
+    column_name,
     evolve_schema,
     leaves_property,
     pending_fills,
@@ -608,7 +609,7 @@ class Materializer:
         with timed_phase(timings, "spark_merge"):
             iceberg_arrow = arrow_schema(table.schema())
             spark_schema = spark_arrow_schema(iceberg_arrow)
-            names = [table.schema().find_column_name(fill.field_id) for fill in fills]
+            names = [column_name(table.schema(), fill.field_id) for fill in fills]
             rule = self.config.values.out_of_range
             arrays = []
             for fill, name in zip(fills, names, strict=True):

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 from ..config import PipelineConfig
 from ..errors import ConfigError
@@ -103,7 +104,7 @@ def keeping_sigint() -> Iterator[None]:
             signal.signal(signal.SIGINT, previous)
 
 
-def build_spark_session(config: PipelineConfig, short_lived: bool = False):  # type: ignore[no-untyped-def]
+def build_spark_session(config: PipelineConfig, short_lived: bool = False) -> Any:
     """Create (or reuse) the SparkSession: ``spark.remote`` for Spark Connect, else ``spark.master``.
 
     ``short_lived``: the JVM serves one merge (a Dagster run), so :data:`SHORT_LIVED_CONF` applies

@@ -151,7 +151,7 @@ def warm_session(config: PipelineConfig) -> Any:
                 session = _attach(endpoint)
             except Exception as exc:  # killed a moment ago (not reaped yet), or its gateway is gone
                 log.warning("the warm Spark server %s cannot be reached (%s); starting a new one", endpoint["pid"], exc)
-        if session is None:
+        if session is None or endpoint is None:
             endpoint = _start(config, path)
             session = _attach(endpoint)
         os.utime(path)  # this run counts as use: the server's idle time starts again

@@ -158,7 +158,7 @@ class TypeResolver:
         if category == "A" and elem:
             element = self._resolve(elem, type_mod, None)
             return PgType(name=name, kind="array", type_mod=type_mod, base_oid=oid, array_oid=0, element=element)
-        kind = _SPECIAL_KINDS.get(typtype, typname)
+        kind: str = _SPECIAL_KINDS.get(typtype) or typname
         return PgType(name=name, kind=kind, type_mod=type_mod, base_oid=oid, array_oid=array_oid)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +149,7 @@ class ObjectStore:
             if info.is_file
         }
 
-    def files_in(self, folder: str) -> list[str]:
+    def files_in(self, folder: str) -> builtins.list[str]:
         """Keys of the files directly in ``folder`` (a table's location): exactly that folder, never
         a subfolder, so one table's listing cannot reach another's files."""
         return sorted(self.modified(f"{folder}/", recursive=False))
