@@ -34,8 +34,9 @@ from typing import Any
 import psycopg
 
 from pg2iceberg_dagster.coordination.store import CoordinationStore
-from pg2iceberg_dagster.iceberg.catalog import open_catalog, table_identifier
+from pg2iceberg_dagster.iceberg.catalog import open_catalog
 from pg2iceberg_dagster.maintenance import summary_health
+from pg2iceberg_dagster.tables import MirroredTables
 
 from .common import SOURCE_DB, Report, argument_parser, bench_cluster, fill_table, mode_config, work_dir
 from .freshness import KEY, TABLE, TABLE_KEY, Writer, child_process, wait_for
@@ -112,7 +113,7 @@ def measure(pg: Any, root: Path, mode: str, args: Any) -> dict[str, Any]:
 
             wait_for(snapshot_complete, 600, "the snapshot", process, log)
         catalog = open_catalog(config)
-        identifier = table_identifier(config, TABLE_KEY)
+        identifier = MirroredTables(config)[TABLE_KEY].iceberg
         with psycopg.connect(pg.conninfo(SOURCE_DB)) as conn:
             top = conn.execute(f"SELECT max({KEY}) FROM {TABLE}").fetchone()
         writer = Writer(pg, int(top[0] if top else 0) + 1, args.rate)

@@ -81,6 +81,7 @@ from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.iceberg.catalog import open_catalog, shared_catalog_properties
 from pg2iceberg_dagster.maintenance.health import summary_health
+from pg2iceberg_dagster.tables import MirroredTables
 
 from .common import (
     SOURCE_DB,
@@ -222,7 +223,7 @@ class Poller(threading.Thread):
         super().__init__(name="poller", daemon=True)
         self.config = config
         self.filled = {t.name: t.rows for t in tables}
-        self.namespace = config.iceberg_identifier(config.table(tables[0].key))[0]
+        self.namespace = MirroredTables(config)[tables[0].key].iceberg[0]
         self.properties = shared_catalog_properties(config)
         self.stop = threading.Event()
         self.locations: dict[str, str] = {}
@@ -525,7 +526,7 @@ def iceberg_commits_in(config: PipelineConfig, tables: list[SourceTable], window
     catalog = open_catalog(config)
     commits = 0
     for table in tables:
-        snapshots = catalog.load_table(config.iceberg_identifier(config.table(table.key))).snapshots()
+        snapshots = catalog.load_table(MirroredTables(config)[table.key].iceberg).snapshots()
         commits += sum(1 for s in snapshots if window[0] <= s.timestamp_ms / 1000 <= window[1])
     return commits
 

@@ -159,7 +159,7 @@ def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
-    keys = [pipeline.config.table(name).key for name in args.table or []] or list(pipeline.resyncs_pending())
+    keys = [pipeline.tables.named(name).key for name in args.table or []] or list(pipeline.resyncs_pending())
     if not keys:
         print("no resync pending; name a table with --table")
     for key in keys:
@@ -176,7 +176,7 @@ def _resync(pipeline: Pipeline, key: str) -> None:
 
 
 def cmd_maintain(pipeline: Pipeline, args: argparse.Namespace) -> int:
-    keys = [pipeline.config.table(name).key for name in args.table or []] or None
+    keys = [pipeline.tables.named(name).key for name in args.table or []] or None
     results = pipeline.maintain(keys, due_only=args.due)
     if args.json:
         print(json.dumps([result.as_json() for result in results], indent=2))
@@ -255,7 +255,8 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
-    from .cleanup import collect_garbage, remove_tables, reset_all, reset_table
+    from .cleanup import remove_tables, reset_all, reset_table
+    from .tables import MirroredTable
 
     pipeline.store.migrate()
     if args.all:
@@ -266,27 +267,28 @@ def cmd_cleanup(pipeline: Pipeline, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        result = reset_all(pipeline.config, pipeline.store, pipeline.catalog)
+        tables = pipeline.tables.values()
+        result = reset_all(pipeline.config, tables, pipeline.store, pipeline.objects, pipeline.catalog)
         print(
             f"dropped slot: {result.slot_dropped}; tables reset: {result.tables_reset}; "
             f"files deleted: {result.files_deleted}"
         )
         return 0
-    configured = {table.key for table in pipeline.config.tables}
     for table in args.table or []:
-        if table not in configured:
+        if table not in pipeline.tables:
             # Removed from the config: it stops being mirrored; its Iceberg table (unknown now) stays.
             try:
                 removed = TableConfig(name=table)
             except ValueError:
                 raise ConfigError(f"--table {table!r}: expected 'schema.table'") from None
-            remove_tables(pipeline.config, pipeline.store, pipeline.catalog, [removed], drop_iceberg=False)
+            leaving = [MirroredTable.of(pipeline.config, removed)]
+            remove_tables(pipeline.config, pipeline.store, pipeline.objects, pipeline.catalog, leaving, False)
             print(f"{table}: not in the config any more; left the publication, state and staged files deleted")
             continue
-        reset_table(pipeline.config, pipeline.store, pipeline.catalog, pipeline.config.table(table).key)
+        reset_table(pipeline.tables[table], pipeline.store, pipeline.objects, pipeline.catalog)
         print(f"{table}: state and Iceberg table dropped; run `snapshot` to mirror it again")
     if not args.table:
-        result = collect_garbage(pipeline.config, pipeline.store)
+        result = pipeline.collect_garbage()
         print(f"deleted {result.files_deleted} staged files")
     return 0
 

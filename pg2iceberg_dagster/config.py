@@ -491,13 +491,6 @@ class PipelineConfig(_Strict):
         """The Postgres database of the SQL catalog: ``iceberg.catalog.postgres`` or the source."""
         return self.iceberg.catalog.postgres or self.source
 
-    def table(self, key: str) -> TableConfig:
-        """The configured table ``schema.table``."""
-        for table in self.tables:
-            if table.key == key:
-                return table
-        raise ConfigError(f"table {key} is not in the configuration")
-
     def iceberg_identifier(self, table: TableConfig) -> tuple[str, str]:
         """(namespace, name) of the Iceberg table mirroring ``table``."""
         return self.iceberg.namespace.format(schema=table.schema_name), table.iceberg_name or table.table_name

@@ -108,5 +108,7 @@ def run_following_config(
                 added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
                 log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
                 if removed:
-                    remove_tables(config, pipeline.store, pipeline.catalog, removed, new.iceberg.drop_removed_tables)
+                    leaving = [pipeline.tables[table.key] for table in removed]
+                    drop = new.iceberg.drop_removed_tables
+                    remove_tables(config, pipeline.store, pipeline.objects, pipeline.catalog, leaving, drop)
             loaded, config = watch.loaded, new

@@ -36,10 +36,11 @@ from .config import PipelineConfig, PostgresConnection, secret_from_env
 from .coordination.records import Lag
 from .coordination.store import CoordinationStore
 from .errors import Pg2IcebergError
-from .iceberg.catalog import open_catalog, table_identifier
+from .iceberg.catalog import open_catalog
 from .maintenance.health import summary_health
 from .source.connection import connect
 from .source.lsn import parse_lsn
+from .tables import MirroredTables
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -232,9 +233,9 @@ class PipelineCollector(Collector):
         if self._catalog is None or self._catalog[0] != settings:
             self._catalog = (settings, open_catalog(_with_short_timeouts(config)))
         catalog = self._catalog[1]
-        for table in config.tables:
+        for table in MirroredTables(config).values():
             try:
-                iceberg = catalog.load_table(table_identifier(config, table.key))
+                iceberg = catalog.load_table(table.iceberg)
             except NoSuchTableError:
                 continue  # its snapshot has not created it yet
             health = summary_health(iceberg)

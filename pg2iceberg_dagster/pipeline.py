@@ -22,13 +22,13 @@ from pyiceberg.expressions import BooleanExpression
 from pyiceberg.table import Table
 
 from .checks import ALL_ROWS, ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
-from .cleanup import remove_tables
+from .cleanup import CleanupResult, collect_garbage, remove_tables
 from .config import PipelineConfig, TableConfig
 from .coordination.records import Chunk, Lag
 from .coordination.store import CoordinationStore
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
-from .iceberg.catalog import open_catalog, table_identifier
+from .iceberg.catalog import open_catalog
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
 from .materializer.lanes import LaneConnections, on_lanes
 from .materializer.merge import Materializer, MergeResult
@@ -42,6 +42,8 @@ from .source.catalog import SourceTable, TypeResolver, describe_table, modificat
 from .source.connection import KeptConnection, connect, consistent_read
 from .source.lsn import current_wal_lsn, format_lsn
 from .source.selection import resolve_tables_left_out
+from .staging.store import ObjectStore
+from .tables import MirroredTable, MirroredTables
 from .validation import StartupReport, check_startup, slot_info
 from .verify import KeySlice, TableDiff, choose_key_slice, compare_table, sliceable
 
@@ -192,6 +194,9 @@ class Pipeline:
     ) -> None:
         # A schema entry's tables, as the source has them now, and those it leaves out (with why).
         self.config, self.left_out = resolve_tables_left_out(config)
+        # Each table's identity and the staging store: resolved once here, passed down to every room.
+        self.tables = MirroredTables(self.config)
+        self.objects = ObjectStore(self.config.staging)
         # ``detached_holder``: the snapshot's holder runs as a process that outlives this one (see
         # snapshot.holder), as the CLI and Dagster runs need; else as a thread here.
         self.detached_holder = detached_holder
@@ -238,7 +243,9 @@ class Pipeline:
         return self.snapshot_runner().run(on_chunk=on_chunk, on_plan=on_plan)
 
     def snapshot_runner(self) -> SnapshotRunner:
-        return SnapshotRunner(self.config, self.store, self.validate(), self.catalog, self.detached_holder)
+        return SnapshotRunner(
+            self.config, self.tables, self.store, self.validate(), self.catalog, self.detached_holder
+        )
 
     def snapshot_plan(self, table_key: str) -> SnapshotPlan:
         """The table's chunk plan (planned and stored on first call) and its snapshot epoch."""
@@ -264,7 +271,7 @@ class Pipeline:
         for the next flush, which then comes sooner (``flush.min_interval_seconds``)."""
         report = self.validate()
         with contextlib.closing(CoordinationStore(self.config.state_connection)) as store:
-            flusher = Flusher(self.config, store, report.tables)
+            flusher = Flusher(self.config, store, self.objects, self.tables, report.tables)
             try:
                 return flusher.run(
                     stop,
@@ -282,7 +289,15 @@ class Pipeline:
                 flusher.close()
 
     def materializer(self) -> Materializer:
-        return Materializer(self.config, self.store, self.catalog, self.spark, source=self.source_connection)
+        return Materializer(
+            self.config,
+            self.tables,
+            self.store,
+            self.objects,
+            self.catalog,
+            self.spark,
+            source=self.source_connection,
+        )
 
     def materialize(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
         """One pass: merge every table's staged log up to its current head."""
@@ -302,17 +317,17 @@ class Pipeline:
 
     def file_health(self, table_key: str) -> TableHealth:
         """The table's data and delete files, small files and snapshots (see maintenance.health)."""
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
         return measured_health(table, self.config.maintenance.target_file_size_bytes)
 
     def _summary_health(self, table_key: str) -> TableHealth | None:
         try:
-            return summary_health(self.catalog.load_table(table_identifier(self.config, table_key)))
+            return summary_health(self.catalog.load_table(self.tables[table_key].iceberg))
         except NoSuchTableError:
             return None
 
     def maintainer(self) -> Maintainer:
-        return Maintainer(self.config, self.store, self.catalog, self.spark)
+        return Maintainer(self.config, self.tables, self.store, self.objects, self.catalog, self.spark)
 
     def maintenance_due(self, cursors_seen: Mapping[str, int] | None = None) -> tuple[dict[str, str], dict[str, int]]:
         """Tables due for a maintenance pass now, with why (see maintenance.Maintainer.due), and every
@@ -331,9 +346,9 @@ class Pipeline:
         due for one with ``due_only`` (see maintenance.Maintainer); ``reason`` is reported with it."""
         self.validate()
         maintainer = self.maintainer()
-        keys = table_keys or [table.key for table in self.config.tables]
+        keys = table_keys or list(self.tables)
         for key in keys:
-            self.config.table(key)  # an unknown table: a clear error before any pass
+            self.tables[key]
         if due_only:
             due = maintainer.due()
             return [maintainer.maintain(key, due[key]) for key in keys if key in due]
@@ -346,7 +361,9 @@ class Pipeline:
         if source is None:
             raise ConfigError(f"{table_key} is not a configured table")
         worker = f"resync:{os.getpid()}"
-        return resync_table(self.config, self.store, self.catalog, source, worker, reason, on_chunk)
+        return resync_table(
+            self.config, self.tables[table_key], self.store, self.catalog, source, worker, reason, on_chunk
+        )
 
     def resyncs_pending(self) -> dict[str, str]:
         """Tables waiting for an online resync, with the reason."""
@@ -386,7 +403,7 @@ class Pipeline:
 
     def iceberg_summary(self, table_key: str) -> IcebergTableSummary:
         """The mirror table's columns, row count and current snapshot."""
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
         schema = table.schema()
         key = {schema.find_field(field_id).name for field_id in schema.identifier_field_ids}
         snapshot = table.current_snapshot()
@@ -436,9 +453,9 @@ class Pipeline:
 
     def _check_table(self, lane: LaneConnections, table_key: str) -> TableCheckReport | _Compared:
         """One table's checks (see :meth:`check_tables`); a comparison still waits for the statistics."""
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
         conn = lane.source()
-        source = describe_table(conn, self.config.table(table_key), TypeResolver(conn))
+        source = describe_table(conn, self.tables[table_key].config, TypeResolver(conn))
         problems = schema_mismatches(source, table)
         scope = self._check_scope(conn, source, table)
         duplicates = duplicate_keys(table, scope.keys_filter())
@@ -576,9 +593,8 @@ class Pipeline:
                     waits = f"it waits for an online resync ({resyncs[key]}): `pg2iceberg-dagster resync --table {key}`"
                     diffs.append(TableDiff(key, not_compared=waits))
                     continue
-                identifier = table_identifier(self.config, key)
                 try:
-                    iceberg_table = self.catalog.load_table(identifier)
+                    iceberg_table = self.catalog.load_table(self.tables[key].iceberg)
                 except NoSuchTableError:
                     diff = TableDiff(key)
                     diff.only_in_pg = -1
@@ -587,6 +603,10 @@ class Pipeline:
                 diffs.append(compare_table(conn, source, iceberg_table, self.config.values.out_of_range))
         return diffs
 
+    def collect_garbage(self) -> CleanupResult:
+        """Delete applied staged files and unregistered uploads at or below the flushed LSN."""
+        return collect_garbage(self.tables.values(), self.store, self.objects)
+
     def forget_removed_tables(self) -> list[TableConfig]:
         """Stop mirroring the tables the coordination state holds but the config no longer names (see
         cleanup.remove_tables; their Iceberg tables are kept: only the config could name them); returns
@@ -594,14 +614,14 @@ class Pipeline:
         # A key is "schema.table" unquoted: split at the first dot (a schema name holding one is misread).
         removed = [TableConfig.named(*key.split(".", 1)) for key in self.no_longer_configured()]
         if removed:
-            remove_tables(self.config, self.store, self.catalog, removed, drop_iceberg=False)
+            leaving = [MirroredTable.of(self.config, table) for table in removed]
+            remove_tables(self.config, self.store, self.objects, self.catalog, leaving, drop_iceberg=False)
         return removed
 
     def no_longer_configured(self) -> list[str]:
         """The keys of the tables the coordination state holds but the config no longer names."""
         self.store.migrate()
-        configured = {table.key for table in self.config.tables}
-        return sorted(key for key in self.store.table_states() if key not in configured)
+        return sorted(key for key in self.store.table_states() if key not in self.tables)
 
     def status(self) -> dict[str, Any]:
         """Replication and per-table progress, as plain data."""

@@ -30,10 +30,8 @@ import psycopg
 import yaml
 from psycopg import sql
 
-from pg2iceberg_dagster.cleanup import collect_garbage
 from pg2iceberg_dagster.config import PipelineConfig, load_config
 from pg2iceberg_dagster.faults import CRASH_ENV
-from pg2iceberg_dagster.iceberg.catalog import table_identifier
 from pg2iceberg_dagster.maintenance.orphans import orphan_files
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.verify import TableDiff
@@ -360,13 +358,13 @@ class Scenario:
         def catch_up_and_verify(pipeline: Pipeline) -> None:
             pipeline.stream(until_caught_up=True)
             self._merge(pipeline)
-            collect_garbage(pipeline.config, pipeline.store)
+            pipeline.collect_garbage()
             self.result.divergences.extend(divergences_of(pipeline.verify()))
             # After a last pass, nothing under a table's location is unreferenced: every crash's
             # leftovers were found.
             pipeline.maintain()
             for table in pipeline.config.tables:
-                iceberg = pipeline.catalog.load_table(table_identifier(pipeline.config, table.key))
+                iceberg = pipeline.catalog.load_table(pipeline.tables[table.key].iceberg)
                 left = orphan_files(iceberg, 0)
                 if left:
                     self.result.divergences.append({"table": table.key, "orphans_left": left[:5]})

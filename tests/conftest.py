@@ -284,8 +284,9 @@ def footprint(config: PipelineConfig, staged: bool = True) -> dict[str, Any]:
     """Everything the pipeline has written so far, to compare before and after a refusal: the slot and
     its position, the publication, every coordination row, the Iceberg tables and their snapshots, and
     (``staged``) the staged files."""
-    from pg2iceberg_dagster.iceberg.catalog import open_catalog, table_identifier
+    from pg2iceberg_dagster.iceberg.catalog import open_catalog
     from pg2iceberg_dagster.staging.store import ObjectStore
+    from pg2iceberg_dagster.tables import MirroredTables
 
     result: dict[str, Any] = {}
     # UTF-8 names whatever the database's encoding (in SQL_ASCII psycopg would return bytes).
@@ -321,8 +322,8 @@ def footprint(config: PipelineConfig, staged: bool = True) -> dict[str, Any]:
                 )
             )
     catalog = open_catalog(config)
-    for table in config.tables:
-        identifier = table_identifier(config, table.key)
+    for table in MirroredTables(config).values():
+        identifier = table.iceberg
         if catalog.table_exists(identifier):
             snapshots = catalog.load_table(identifier).snapshots()
             result[f"iceberg:{'.'.join(identifier)}"] = [snapshot.snapshot_id for snapshot in snapshots]

@@ -18,7 +18,7 @@ from pg2iceberg_dagster.source.pgoutput import UNCHANGED, DecodeError
 from pg2iceberg_dagster.source.replication import ReplicationStream
 from pg2iceberg_dagster.staging import codec
 from pg2iceberg_dagster.staging.codec import TRUNCATE, Change, StagedRelation
-from pg2iceberg_dagster.staging.store import ObjectStore
+from pg2iceberg_dagster.staging.store import ObjectStore, table_location
 
 from .conftest import SourceDb
 from .test_pgoutput import tuple_data
@@ -155,7 +155,7 @@ def test_writer_spills_splits_and_keeps_each_tables_order(tmp_path: object) -> N
     store = ObjectStore(StagingConfig(url=f"file://{tmp_path}/staging"))
     relations = RelationLog()
     flush = FlushConfig(max_rows=7, txn_memory_bytes=1024, spill_dir=str(tmp_path))
-    writer = StagedWriter(store, flush, relations)  # type: ignore[arg-type]
+    writer = StagedWriter(store, flush, relations, {"public.t": table_location("public.t")})  # type: ignore[arg-type]
     relations.describe(1, writer.next_seq, INFO)
     relations.describe(2, writer.next_seq, None)  # published, not configured
     lsn = iter(range(100, 10_000))

@@ -11,6 +11,8 @@ from pydantic import SecretStr
 
 from pg2iceberg_dagster.config import PostgresConnection, load_config, parse_config
 from pg2iceberg_dagster.errors import ConfigError
+from pg2iceberg_dagster.staging.store import table_location
+from pg2iceberg_dagster.tables import MirroredTables
 
 SECRET = "s3cr3t-Pa55w0rd-xyzzy"
 MINIMAL: dict[str, Any] = {"source": {"dbname": "app"}, "tables": [{"name": "public.orders"}]}
@@ -47,7 +49,7 @@ def test_minimal_config_defaults() -> None:
     assert config.catalog_connection is config.source
     table = config.tables[0]
     assert (table.schema_name, table.table_name, table.key) == ("public", "orders", "public.orders")
-    assert config.table("public.orders") is table
+    assert MirroredTables(config)["public.orders"].config is table
     assert config.iceberg_identifier(table) == ("public", "orders")
 
 
@@ -67,6 +69,16 @@ def test_quoted_table_name_and_overrides() -> None:
     assert config.snapshot.chunk_pages == 16
     assert config.staging.url == "s3://bucket/prefix"
     assert config.iceberg_identifier(table) == ("mirror_My Schema", "orders")
+    # Resolved once: the key, the Iceberg identifier and the staging folder, found by key or config name.
+    tables = MirroredTables(config)
+    mirrored = tables["My Schema.Order$s"]
+    assert (mirrored.schema_name, mirrored.table_name) == ("My Schema", "Order$s")
+    assert mirrored.iceberg == ("mirror_My Schema", "orders")
+    assert mirrored.staging == table_location("My Schema.Order$s") and "/" not in mirrored.staging
+    assert tables.named('"My Schema"."Order$s"') is mirrored
+    assert "public.other" not in tables
+    with pytest.raises(ConfigError, match=r"public\.other is not in the configuration"):
+        tables["public.other"]
 
 
 def test_table_properties_are_laid_over_the_defaults() -> None:

@@ -27,6 +27,8 @@ from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.errors import LeaseBusyError
 from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.materializer.merge import Materializer
+from pg2iceberg_dagster.staging.store import ObjectStore
+from pg2iceberg_dagster.tables import MirroredTables
 
 Store = InMemoryCoordinationStore | CoordinationStore
 
@@ -322,7 +324,15 @@ def _materializer(tmp_path: Path, store: InMemoryCoordinationStore) -> Materiali
         def load_table(self, identifier: tuple[str, str]) -> NoIcebergTable:
             return self
 
-    return Materializer(config, store, catalog=NoIcebergTable(), spark_factory=no_spark, worker_id="me")  # type: ignore[arg-type]
+    return Materializer(
+        config,
+        MirroredTables(config),
+        store,
+        ObjectStore(config.staging),
+        catalog=NoIcebergTable(),  # type: ignore[arg-type]
+        spark_factory=no_spark,
+        worker_id="me",
+    )
 
 
 def test_materializer_waits_for_the_snapshot_and_for_changes(tmp_path: Path) -> None:

@@ -67,9 +67,8 @@ def test_crash_between_staging_and_registration(source: SourceDb, monkeypatch: p
     sync(pipeline)
     assert pipeline.store.log_head("public.orders") == 50
     assert_mirrored(pipeline)
-    from pg2iceberg_dagster.cleanup import collect_garbage
 
-    assert collect_garbage(pipeline.config, pipeline.store).files_deleted >= 1
+    assert pipeline.collect_garbage().files_deleted >= 1
 
 
 def test_crash_between_registration_and_ack(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:

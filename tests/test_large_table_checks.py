@@ -71,7 +71,7 @@ def test_a_large_table_is_checked_a_key_range_at_a_time(source: SourceDb, monkey
     source.execute(f"UPDATE {COMPOSITE} SET v = 'changed'")
     random.seed(16)
     with connect(pipeline.config.source) as conn:
-        described = describe_table(conn, pipeline.config.table(COMPOSITE), TypeResolver(conn))
+        described = describe_table(conn, pipeline.tables[COMPOSITE].config, TypeResolver(conn))
         iceberg = pipeline.catalog.load_table(f"{source.name}_public.composite_key")
         for _ in range(12):
             key_slice = choose_key_slice(conn, described, LIMIT)

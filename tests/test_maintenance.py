@@ -17,7 +17,6 @@ import yaml
 from pg2iceberg_dagster import pipeline as pipeline_module
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
-from pg2iceberg_dagster.iceberg.catalog import table_identifier
 from pg2iceberg_dagster.maintenance import maintainer as maintainer_module
 from pg2iceberg_dagster.maintenance import measured_health
 from pg2iceberg_dagster.maintenance.orphans import orphan_files, referenced_files
@@ -53,7 +52,7 @@ def _churn(source: SourceDb, pipeline: Pipeline, rounds: int) -> None:
 
 
 def _table(pipeline: Pipeline) -> Any:
-    return pipeline.catalog.load_table(table_identifier(pipeline.config, "public.items"))
+    return pipeline.catalog.load_table(pipeline.tables["public.items"].iceberg)
 
 
 def _plant_orphans(pipeline: Pipeline) -> tuple[Path, str]:
@@ -64,7 +63,7 @@ def _plant_orphans(pipeline: Pipeline) -> tuple[Path, str]:
     orphan.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"id": [1], "note": ["x"]}), orphan)
     objects = ObjectStore(pipeline.config.staging)
-    batch = f"{merge_batch_prefix('public.items')}left-by-a-crash.parquet"
+    batch = f"{merge_batch_prefix(pipeline.tables['public.items'].staging)}left-by-a-crash.parquet"
     objects.put(batch, b"PAR1")
     return orphan, batch
 

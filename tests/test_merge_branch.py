@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from pg2iceberg_dagster.config import PipelineConfig
-from pg2iceberg_dagster.iceberg.catalog import table_identifier
 from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.materializer.spark_sql import spark_identifier
 from pg2iceberg_dagster.pipeline import Pipeline
@@ -40,7 +39,7 @@ def _pipeline(source: SourceDb) -> Pipeline:
 
 
 def _items(pipeline: Pipeline) -> Any:
-    return pipeline.catalog.load_table(table_identifier(pipeline.config, "public.items"))
+    return pipeline.catalog.load_table(pipeline.tables["public.items"].iceberg)
 
 
 def _main_history(pipeline: Pipeline) -> list[int]:
@@ -122,7 +121,7 @@ def test_a_commit_to_main_while_the_batch_is_on_the_branch_writes_it_again(
     source.execute("UPDATE items SET note = 'x' WHERE id % 2 = 0 AND id > 50; DELETE FROM items WHERE id % 5 = 0")
     pipeline.stream(until_caught_up=True)
     catalog = spark_identifier(pipeline.config.iceberg.catalog.name)
-    table = spark_identifier(*table_identifier(pipeline.config, "public.items"))
+    table = spark_identifier(*pipeline.tables["public.items"].iceberg)
     compactions: list[int] = []
 
     def compact_once(name: str) -> None:

@@ -25,7 +25,6 @@ from pg2iceberg_dagster import pipeline as pipeline_module
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.embedded import free_port
-from pg2iceberg_dagster.iceberg.catalog import table_identifier
 from pg2iceberg_dagster.metrics import PipelineMetrics, serve_metrics
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.source.lsn import parse_lsn
@@ -84,7 +83,7 @@ def _oldest_unmerged_age(pipeline: Pipeline, cursor: int) -> float:
 
 def _assert_iceberg_gauges(samples: Samples, pipeline: Pipeline) -> None:
     """Files, bytes, records and snapshots as the Iceberg table's own file listing has them."""
-    table = pipeline.catalog.load_table(table_identifier(pipeline.config, TABLE))
+    table = pipeline.catalog.load_table(pipeline.tables[TABLE].iceberg)
     files = table.inspect.files().to_pylist()
     data = [f for f in files if f["content"] == 0]
     deletes = [f for f in files if f["content"] != 0]

@@ -15,6 +15,7 @@ import pytest
 
 from pg2iceberg_dagster.cleanup import remove_tables
 from pg2iceberg_dagster.errors import ConfigError, StartupCheckError
+from pg2iceberg_dagster.tables import MirroredTables
 
 from .conftest import SourceDb, assert_mirrored, sync, written_anything
 
@@ -149,7 +150,8 @@ def test_a_resync_and_a_table_added_back_keep_the_configured_spec(source: Source
     # kept table is rebuilt and read again, its new files partitioned the new way.
     source.execute("CREATE TABLE public.other (id int PRIMARY KEY)")
     without = source.pipeline(source.config(["public.other"]))
-    remove_tables(config, without.store, without.catalog, [config.table("public.events")], drop_iceberg=False)
+    events = MirroredTables(config)["public.events"]
+    remove_tables(config, without.store, without.objects, without.catalog, [events], drop_iceberg=False)
     without.close()
     source.execute("UPDATE public.events SET name = 'while out' WHERE id = 2")
     back = source.pipeline(source.config(["public.other", {**EVENTS, "partition_by": ["truncate(2, name)"]}]))

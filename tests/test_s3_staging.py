@@ -9,7 +9,6 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from pg2iceberg_dagster.cleanup import collect_garbage
 from pg2iceberg_dagster.embedded import free_port
 from pg2iceberg_dagster.staging.codec import decode
 from pg2iceberg_dagster.staging.store import ObjectStore, table_location
@@ -75,7 +74,7 @@ def test_flusher_stages_to_s3_and_cleanup_deletes_there(source: SourceDb, s3_end
     pipeline.store.advance_mat_cursor(
         "default", "public.orders", entries[-1].end_offset, entries[-1].flushable_lsn, None
     )
-    assert collect_garbage(pipeline.config, pipeline.store).files_deleted == len(entries)
+    assert pipeline.collect_garbage().files_deleted == len(entries)
     assert store.files_in(table_location("public.orders")) == []
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from pg2iceberg_dagster.cleanup import collect_garbage
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.staging.codec import decode
 from pg2iceberg_dagster.staging.store import ObjectStore, table_location
@@ -58,7 +57,7 @@ def test_cleanup_of_a_table_keeps_the_unmerged_files_of_a_table_named_inside_it(
     and delete ``public.a/b/``'s unmerged files, which the slot had already been acknowledged past."""
     pipeline = _nested_tables_staged(source)
     pipeline.materialize(["public.a"])
-    collect_garbage(pipeline.config, pipeline.store)
+    pipeline.collect_garbage()
     pipeline.materialize()
     assert_mirrored(pipeline)
     assert table_location("public.a") != table_location("public.a/b")
@@ -72,7 +71,7 @@ def test_a_name_with_dot_dot_segments_stages_inside_the_staging_root(source: Sou
     pipeline.snapshot()
     source.execute("INSERT INTO public.\"../../../escaped\" SELECT g, 'v' FROM generate_series(1, 20) g")
     sync(pipeline)
-    collect_garbage(pipeline.config, pipeline.store)
+    pipeline.collect_garbage()
     source.execute("UPDATE public.\"../../../escaped\" SET v = 'w' WHERE id < 5")
     sync(pipeline)
     assert_mirrored(pipeline)
@@ -92,7 +91,7 @@ def test_a_name_with_characters_special_to_s3_keys_and_urls_is_merged(source: So
     sync(pipeline)
     source.execute(f"UPDATE {quoted} SET v = 'changed' WHERE id % 3 = 0; DELETE FROM {quoted} WHERE id % 5 = 0")
     sync(pipeline)
-    collect_garbage(pipeline.config, pipeline.store)
+    pipeline.collect_garbage()
     assert_mirrored(pipeline)
     (folder,) = (path.name for path in _staging_dir(pipeline).iterdir() if not path.name.startswith("_"))
     assert folder == table_location(f"public.{SPECIAL}")
@@ -125,7 +124,7 @@ def test_s3_keys_of_a_name_with_special_characters_are_listed_exactly(
     # public.a applied everything: its cleanup deletes its file and leaves the other table's.
     (applied,) = entries["public.a"]
     pipeline.store.advance_mat_cursor("default", "public.a", applied.end_offset, applied.flushable_lsn, None)
-    assert collect_garbage(pipeline.config, pipeline.store).files_deleted == 1
+    assert pipeline.collect_garbage().files_deleted == 1
     assert store.list() == [entries[f"public.{special}"][0].path]
 
 
@@ -154,12 +153,12 @@ def test_files_staged_under_the_first_layout_are_merged_and_swept(legacy_layout:
     pipeline = legacy_layout
     root = _staging_dir(pipeline)
     # Cleanup before any merge: only the unregistered upload goes; public."a/b"'s files stay.
-    assert collect_garbage(pipeline.config, pipeline.store).files_deleted == 1
+    assert pipeline.collect_garbage().files_deleted == 1
     assert not (root / "public.a" / "0000000000000001-abandoned0000.parquet").exists()
     assert list((root / "public.a" / "b").iterdir())
     sync(pipeline)
     assert_mirrored(pipeline)
-    collect_garbage(pipeline.config, pipeline.store)
+    pipeline.collect_garbage()
     assert [path for path in root.rglob("*") if path.is_file()] == []
     assert pipeline.store.conn.execute(
         "SELECT count(*) FROM _pg2iceberg.tables WHERE staging_layout < 2"

@@ -27,6 +27,7 @@ from ..source.lsn import current_wal_lsn
 from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
 from ..staging.codec import StagedRelation
 from ..staging.store import ObjectStore
+from ..tables import MirroredTables
 from .batch import RelationInfo, truncate_marker
 from .generated import GeneratedValues, describe_generated
 from .window import RelationLog, StagedWriter
@@ -88,12 +89,21 @@ def _count_flush(stats: FlushStats, files: list[StagedFile]) -> None:
 class Flusher:
     """Streams the slot into the staged log. One instance per process; the slot admits one consumer."""
 
-    def __init__(self, config: PipelineConfig, store: StagedLogStore, tables: dict[str, SourceTable]) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        store: StagedLogStore,
+        objects: ObjectStore,
+        mirrored: MirroredTables,
+        tables: dict[str, SourceTable],
+    ) -> None:
+        """``tables``: the configured tables as the source describes them (the startup report's)."""
         self.config = config
         self.store = store
         self.tables = tables
         self._by_oid = {table.oid: table for table in tables.values()}
-        self.object_store = ObjectStore(config.staging)
+        self.object_store = objects
+        self._locations = {key: table.staging for key, table in mirrored.items()}
         self._catalog_conn = connect(config.source)
         self._resolver = TypeResolver(self._catalog_conn)
         self._generated = GeneratedValues(self._catalog_conn)
@@ -127,7 +137,9 @@ class Flusher:
         deadline = time.monotonic() + max_seconds if max_seconds is not None else None
         stats = FlushStats(flushed_lsn=start_lsn)
         relations = RelationLog()
-        writer = StagedWriter(self.object_store, self.config.flush, relations, self._generated.complete)
+        writer = StagedWriter(
+            self.object_store, self.config.flush, relations, self._locations, self._generated.complete
+        )
         last_flush = time.monotonic()
         with ReplicationStream(
             self.config.source,

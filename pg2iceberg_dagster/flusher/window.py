@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import time
+from collections.abc import Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -79,9 +80,16 @@ class StagedWriter:
     """Buffers row messages in log order and uploads the committed ones as staged files of bounded size."""
 
     def __init__(
-        self, store: ObjectStore, flush: FlushConfig, relations: RelationLog, complete: CompleteRows | None = None
+        self,
+        store: ObjectStore,
+        flush: FlushConfig,
+        relations: RelationLog,
+        locations: Mapping[str, str],
+        complete: CompleteRows | None = None,
     ) -> None:
+        """``locations``: each configured table's staging folder, by key (see MirroredTable.staging)."""
         self._store = store
+        self._locations = locations
         self._complete = complete  # computes generated columns the stream does not send
         self._max_rows = flush.max_rows
         self._max_bytes = flush.max_bytes
@@ -240,6 +248,6 @@ class StagedWriter:
         """The staged file of ``rows`` of one table, and its bytes."""
         table = info.relation.table
         encoded = batch.encode(info, rows, self._complete)
-        key = staged_file_key(table, encoded.last_lsn)
+        key = staged_file_key(self._locations[table], encoded.last_lsn)
         staged = StagedFile(table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn)
         return staged, encoded.data

@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError, ProgrammingError
 from ..config import PipelineConfig, secret_from_env
 from ..paths import path_segment
 from ..source.catalog import SourceTable
+from ..tables import MirroredTable
 from .evolution import attnum_properties
 from .layout import initial_layout
 from .types import iceberg_schema
@@ -109,16 +110,10 @@ def open_catalog(config: PipelineConfig) -> Catalog:
         return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
 
 
-def table_identifier(config: PipelineConfig, table_key: str) -> tuple[str, str]:
-    """``(namespace, name)`` of the Iceberg mirror of the configured table ``table_key``: always a
-    tuple, never dotted text, so a dot inside a name never makes a nested namespace."""
-    return config.iceberg_identifier(config.table(table_key))
-
-
-def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) -> Table:
+def ensure_table(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:
     """Load the mirror table, creating it (primary key as identifier fields, the configured partition
     spec and sort order) when missing."""
-    identifier = table_identifier(config, source.key)
+    identifier = mirrored.iceberg
     namespace = identifier[:1]
     try:
         return catalog.load_table(identifier)
@@ -129,7 +124,7 @@ def ensure_table(catalog: Catalog, config: PipelineConfig, source: SourceTable) 
         catalog.create_namespace(namespace)
     schema = iceberg_schema(source.columns, source.primary_key)
     properties = {**config.iceberg.table_properties, **attnum_properties(schema, source.columns)}
-    spec, sort_order = initial_layout(schema, config.table(source.key), source.columns)
+    spec, sort_order = initial_layout(schema, mirrored.config, source.columns)
     return catalog.create_table_if_not_exists(
         identifier,
         schema,

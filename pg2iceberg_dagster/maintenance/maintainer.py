@@ -31,8 +31,8 @@ from ..config import PipelineConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, writer_lease_within
 from ..coordination.store import CoordinationStore
 from ..faults import crash_point
-from ..iceberg.catalog import table_identifier
 from ..staging.store import ObjectStore, merge_batch_prefix
+from ..tables import MirroredTables
 from .health import TableHealth, compaction_due, measured_health, summary_health
 from .orphans import remove_orphan_files
 from .procedures import Rewrites, compact, expire_snapshots
@@ -74,24 +74,27 @@ class Maintainer:
     def __init__(
         self,
         config: PipelineConfig,
+        tables: MirroredTables,
         store: CoordinationStore,
+        objects: ObjectStore,
         catalog: Catalog,
         spark_factory: Callable[[], Any],
         worker_id: str | None = None,
     ) -> None:
         self.config = config
+        self.tables = tables
         self.settings = config.maintenance
         self.store = store
         self.catalog = catalog
         self._spark_factory = spark_factory
-        self.objects = ObjectStore(config.staging)
+        self.objects = objects
         self.worker_id = worker_id or f"maintenance:{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
     def due(self, merged: Iterable[str] | None = None) -> dict[str, str]:
         """Tables due for a pass now, with why: ``interval_minutes`` since the last pass, or files that
         call for compaction. The files are judged from the snapshot summary (one metadata read per
         table) of the tables in ``merged`` (all configured tables when None): only a merge adds files."""
-        keys = [table.key for table in self.config.tables]
+        keys = list(self.tables)
         states = self.store.table_states()
         since = self.store.seconds_since_maintained()
         examined = set(keys if merged is None else merged)
@@ -104,7 +107,7 @@ class Maintainer:
                 due[key] = "scheduled"
             elif key in examined:
                 reason = compaction_due(
-                    summary_health(self.catalog.load_table(table_identifier(self.config, key))), self.settings
+                    summary_health(self.catalog.load_table(self.tables[key].iceberg)), self.settings
                 )
                 if reason:
                     due[key] = reason
@@ -131,7 +134,7 @@ class Maintainer:
         return result
 
     def _pass(self, table_key: str, result: MaintenanceResult) -> None:
-        identifier = table_identifier(self.config, table_key)
+        identifier = self.tables[table_key].iceberg
         settings = self.settings
         table = self.catalog.load_table(identifier)
         result.before = measured_health(table, settings.target_file_size_bytes)
@@ -155,9 +158,10 @@ class Maintainer:
     def _collect_staged(self, table_key: str) -> int:
         """The staged log's garbage of the table: applied and unregistered files, and merge batches a
         crash left (older than the orphan age: a merge of another consumer group may be reading one)."""
-        removed = collect_table_garbage(self.store, self.objects, table_key, self.store.flushed_lsn() or 0)
+        table = self.tables[table_key]
+        removed = collect_table_garbage(self.store, self.objects, table, self.store.flushed_lsn() or 0)
         cutoff = time.time() - self.settings.orphan_min_age_hours * 3600
-        for key, modified in self.objects.modified(merge_batch_prefix(table_key), recursive=False).items():
+        for key, modified in self.objects.modified(merge_batch_prefix(table.staging), recursive=False).items():
             if modified <= cutoff:
                 self.objects.delete(key)
                 removed += 1

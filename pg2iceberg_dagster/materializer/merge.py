@@ -31,7 +31,6 @@ from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_l
 from ..coordination.records import Lag, LogEntry, SnapshotEpoch
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
-from ..iceberg.catalog import table_identifier
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
@@ -56,6 +55,7 @@ from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, par
 from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
 from ..staging.store import ObjectStore, merge_batch_prefix
+from ..tables import MirroredTables
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .fold import UPSERT, fold
@@ -205,7 +205,9 @@ class Materializer:
     def __init__(
         self,
         config: PipelineConfig,
+        tables: MirroredTables,
         store: StagedLogStore,
+        objects: ObjectStore,
         catalog: Catalog,
         spark_factory: Callable[[], Any],
         worker_id: str | None = None,
@@ -214,10 +216,11 @@ class Materializer:
         """``source`` hands out a kept connection to the source (a pipeline's); without it each use
         of the source opens one of its own."""
         self.config = config
+        self.tables = tables
         self._source_connection = source
         self.store = store
         self.catalog = catalog
-        self.object_store = ObjectStore(config.staging)
+        self.object_store = objects
         self._spark_factory = spark_factory
         self._spark: Any = None
         self._spark_lock = threading.Lock()  # lanes ask for the one session at once
@@ -293,14 +296,14 @@ class Materializer:
         found equal to the record are not compared again (no catalog read)."""
         if table_key in self._seen.unpartitioned:
             return None
-        identifier = table_identifier(self.config, table_key)
+        identifier = self.tables[table_key].iceberg
         recorded = None
         if table_key not in self._seen.leaves:
             recorded = recorded_leaves(self.catalog.load_table(identifier))
             if recorded is None:
                 self._seen.unpartitioned.add(table_key)
                 return None
-        table = self.config.table(table_key)
+        table = self.tables[table_key].config
         with self._source() as conn:
             oid = partitioned_oid(conn, table.schema_name, table.table_name)
             if oid is None:
@@ -321,20 +324,20 @@ class Materializer:
         columns changed since this process last looked and the Iceberg schema does not follow them
         yet. pgoutput describes a table only with its next row change: without this, a column added
         (with a DEFAULT older rows read) to a table nobody writes would stay missing in Iceberg."""
-        config = self.config.table(table_key)
+        mirrored = self.tables[table_key]
         with contextlib.ExitStack() as stack:
             try:
                 conn = stack.enter_context(self._source())
             except Pg2IcebergError as exc:  # the staged log merges without the source; this waits for it
                 log.warning("%s: not comparing its columns with the source's now: %s", table_key, exc)
                 return None
-            row = conn.execute(_COLUMNS_SIGNATURE, (config.schema_name, config.table_name)).fetchone()
+            row = conn.execute(_COLUMNS_SIGNATURE, (mirrored.schema_name, mirrored.table_name)).fetchone()
             signature = row[0] if row else None
             if signature is None or self._seen.columns.get(table_key) == signature:
                 return None
-            source = describe_table(conn, config, TypeResolver(conn))
+            source = describe_table(conn, mirrored.config, TypeResolver(conn))
             described = _Described(source.columns, file_node(conn, source.oid), signature)
-        iceberg = self.catalog.load_table(table_identifier(self.config, table_key))
+        iceberg = self.catalog.load_table(self.tables[table_key].iceberg)
         if not schema_follows_source(iceberg, source.columns):
             self._seen.columns[table_key] = signature
             return None
@@ -354,10 +357,10 @@ class Materializer:
     def _follow_columns(self, table_key: str, described: _Described, result: MergeResult) -> Table | None:
         """Evolve the schema to the columns the catalog describes (see :meth:`_columns_changed`);
         returns the table when that left defaults to fill."""
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
         result.schema_changes += tuple(evolve_schema(table, table_key, described.columns, described.file_node))
         self._seen.columns[table_key] = described.signature
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
         return table if pending_fills(table) else None
 
     def _follow_leaves(self, table_key: str, change: LeafChange) -> None:
@@ -365,7 +368,7 @@ class Materializer:
         empty, or attached with no row older than the attachment: every row of theirs is streamed)."""
         if change.reason is not None:
             raise ResyncRequiredError(table_key, change.reason)
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
 
         def record() -> None:
             table.refresh()
@@ -395,7 +398,7 @@ class Materializer:
         if table_key in self._seen.fills_checked:
             return None
         self._seen.fills_checked.add(table_key)
-        table = self.catalog.load_table(table_identifier(self.config, table_key))
+        table = self.catalog.load_table(self.tables[table_key].iceberg)
         return table if pending_fills(table) else None
 
     def replay_epoch(self, table_key: str) -> SnapshotEpoch | None:
@@ -410,7 +413,7 @@ class Materializer:
             return
         with timed_phase(timings, "spark_start"):
             spark = self._spark_factory()
-            identifier = table_identifier(self.config, table_key)
+            identifier = self.tables[table_key].iceberg
             # Loads the catalog and Iceberg's table classes now (the first table access costs seconds).
             spark.table(spark_identifier(self.config.iceberg.catalog.name, *identifier)).schema  # noqa: B018
             self._spark = spark
@@ -429,7 +432,7 @@ class Materializer:
         table is one read under that snapshot, so replaying exactly the others reaches the source's state.
         """
         timings = {} if timings is None else timings
-        identifier = table_identifier(self.config, table_key)
+        identifier = self.tables[table_key].iceberg
         with timed_phase(timings, "read"):
             table = self.catalog.load_table(identifier)
             staged = []
@@ -450,7 +453,7 @@ class Materializer:
             # The last relation describes the table as it is now; older ones are mapped onto it.
             relations = [relation for relation, _ in staged]
             newest = relations[-1] if relations else None
-            _refuse_unkeyed(self.config.table(table_key), relations)
+            _refuse_unkeyed(self.tables[table_key].config, relations)
             _refuse_changed_key(table_key, table, relations)
             refuse_unfollowable_retypes(table_key, [(relation.columns, relation.file_node) for relation in relations])
             schema_changes = evolve_schema(table, table_key, newest.columns, newest.file_node) if newest else []
@@ -459,7 +462,7 @@ class Materializer:
             if newest:
                 # A changed partition_by/sort_by, or a partition column dropped at the source, before
                 # Spark writes: its files take the spec from here on.
-                schema_changes += apply_layout(table, table_key, self.config.table(table_key), newest.columns)
+                schema_changes += apply_layout(table, table_key, self.tables[table_key].config, newest.columns)
             # Against the schema as evolved (a rename just applied takes the old name away).
             refuse_unidentified_columns(table, table_key, [relation.columns for relation, _ in staged])
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
@@ -528,7 +531,7 @@ class Materializer:
     def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> Iterator[str]:
         """``rows`` as a Spark temporary view (staged as a Parquet file Spark reads back: executors
         need not reach the driver's memory)."""
-        batch_key = f"{merge_batch_prefix(table_key)}{uuid.uuid4().hex}.parquet"
+        batch_key = f"{merge_batch_prefix(self.tables[table_key].staging)}{uuid.uuid4().hex}.parquet"
         self.object_store.put(batch_key, _parquet_bytes(rows))
         try:
             view = f"pg2iceberg_batch_{threading.get_ident()}"
@@ -605,7 +608,7 @@ class Materializer:
         fills = pending_fills(table)
         if not fills:
             return
-        identifier = table_identifier(self.config, table_key)
+        identifier = self.tables[table_key].iceberg
         with timed_phase(timings, "spark_merge"):
             iceberg_arrow = arrow_schema(table.schema())
             spark_schema = spark_arrow_schema(iceberg_arrow)
@@ -627,7 +630,7 @@ class Materializer:
     def run_once(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
         """Bring every (or the given) table up to its current head, the oldest unmerged change first;
         a table's failure is raised once the others have merged."""
-        keys = self.oldest_change_first(table_keys or [t.key for t in self.config.tables])
+        keys = self.oldest_change_first(table_keys or list(self.tables))
         results: dict[str, MergeResult] = {}
         errors: list[Exception] = []
         for key, outcome in self.merge_tables(keys):
@@ -665,7 +668,9 @@ class Materializer:
         connections = LaneConnections.open(self.config)
         lane = Materializer(
             self.config,
+            self.tables,
             connections.store,
+            self.object_store,
             self.catalog,
             lambda: self.spark,
             worker_id=f"{self.worker_id}/lane{next(self._lane_numbers)}",

@@ -38,12 +38,13 @@ from ..coordination.records import Chunk
 from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError
 from ..faults import crash_point
-from ..iceberg.catalog import snapshot_summaries, table_identifier
+from ..iceberg.catalog import snapshot_summaries
 from ..iceberg.evolution import rebuild_schema
 from ..iceberg.layout import follow_layout
 from ..iceberg.types import arrow_schema
 from ..source.catalog import SourceTable, source_files_seen_by
 from ..source.connection import connect
+from ..tables import MirroredTable
 from .chunks import WrittenChunk, plan_table_chunks, read_chunk, write_chunk
 from .holder import SnapshotHolder
 from .stages import run_chunks
@@ -79,6 +80,7 @@ def _switched_in(table: Table, epoch: int) -> bool:
 
 def resync_table(
     config: PipelineConfig,
+    mirrored: MirroredTable,
     store: CoordinationStore,
     catalog: Catalog,
     source: SourceTable,
@@ -98,7 +100,7 @@ def resync_table(
     if state.resync_reason is None:
         request_resync(store, config.materialize.group, key, reason, worker_id)
     result = ResyncResult(key, reason=state.resync_reason or reason)
-    identifier = table_identifier(config, key)
+    identifier = mirrored.iceberg
     table = catalog.load_table(identifier)
     if state.resync_epoch is not None and _switched_in(table, state.resync_epoch):
         store.finish_resync(key, state.resync_epoch)  # switched just before a crash
@@ -110,7 +112,7 @@ def resync_table(
         files = source_files_seen_by(config.source, source, holder.advertised.name)
         transaction, changes = rebuild_schema(table, key, source.columns, source.primary_key, files)
         # The copy is written with the spec the switch commits: the configured one, on the new fields.
-        changes += follow_layout(transaction, key, config.table(key), source.columns)
+        changes += follow_layout(transaction, key, mirrored.config, source.columns)
         result.schema_changes = tuple(changes)
         written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk)
     crash_point("resync.before_switch")

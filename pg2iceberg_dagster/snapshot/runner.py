@@ -26,12 +26,13 @@ from ..coordination.records import AdvertisedSnapshot, Chunk
 from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError, StartupCheckError
 from ..faults import crash_point
-from ..iceberg.catalog import ensure_table, table_identifier
+from ..iceberg.catalog import ensure_table
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import evolve_schema, rebuild_schema
 from ..iceberg.layout import apply_layout, follow_layout
 from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_by
 from ..source.connection import connect
+from ..tables import MirroredTables
 from ..validation import StartupReport
 from .chunks import (
     WrittenChunk,
@@ -90,12 +91,14 @@ class SnapshotRunner:
     def __init__(
         self,
         config: PipelineConfig,
+        tables: MirroredTables,
         store: CoordinationStore,
         report: StartupReport,
         catalog: Catalog,
         detached_holder: bool = False,
     ) -> None:
         self.config = config
+        self.mirrored = tables
         self.store = store
         self.report = report
         self.catalog = catalog
@@ -120,27 +123,27 @@ class SnapshotRunner:
         is rebuilt to the source's columns instead: every row is read again. Either way the table
         takes the configured partition spec and sort order before any chunk is written."""
         fresh = self.store.table_state(table.key) is None
-        layout = self.config.table(table.key)
+        mirrored = self.mirrored[table.key]
 
         def follow() -> None:
-            iceberg = ensure_table(self.catalog, self.config, table)
+            iceberg = ensure_table(self.catalog, self.config, mirrored, table)
             if fresh:
                 # One commit: a field the rebuild deletes must leave the spec in the same one.
                 transaction, changes = rebuild_schema(
                     iceberg, table.key, table.columns, table.primary_key, SourceFiles(None)
                 )
-                changes += follow_layout(transaction, table.key, layout, table.columns)
+                changes += follow_layout(transaction, table.key, mirrored.config, table.columns)
                 if changes:
                     transaction.commit_transaction()
             else:
                 evolve_schema(iceberg, table.key, table.columns)
-                apply_layout(iceberg, table.key, layout, table.columns)
+                apply_layout(iceberg, table.key, mirrored.config, table.columns)
 
         commit_with_retry(follow)
         with connect(self.config.source) as conn:
             planned = plan_table_chunks(conn, table, self.config.snapshot.chunk_pages)
         return self.store.start_table_snapshot(
-            table.key, table.oid, ".".join(table_identifier(self.config, table.key)), None, planned
+            table.key, table.oid, ".".join(self.mirrored[table.key].iceberg), None, planned
         )
 
     def enter_epoch(self, table: SourceTable, snapshot: AdvertisedSnapshot) -> tuple[list[Chunk], bool]:
@@ -178,7 +181,7 @@ class SnapshotRunner:
         """The table's Iceberg table, loaded once per runner (commits refresh it)."""
         loaded = self._tables.get(table.key)
         if loaded is None:
-            loaded = self._tables[table.key] = self.catalog.load_table(table_identifier(self.config, table.key))
+            loaded = self._tables[table.key] = self.catalog.load_table(self.mirrored[table.key].iceberg)
         return loaded
 
     def read_chunk(

@@ -35,16 +35,16 @@ def legacy_table_location(table: str) -> str | None:
     return table
 
 
-def staged_file_key(table: str, lsn: int) -> str:
-    """Where a staged file of ``table`` whose last change is at ``lsn`` goes:
-    ``<table location>/<LSN hex>-<id>.parquet``."""
-    return f"{table_location(table)}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
+def staged_file_key(location: str, lsn: int) -> str:
+    """Where a staged file whose last change is at ``lsn`` goes in the table folder ``location`` (see
+    :func:`table_location`): ``<location>/<LSN hex>-<id>.parquet``."""
+    return f"{location}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
 
 
-def merge_batch_prefix(table: str) -> str:
-    """Where the materializer stages a prepared batch of ``table`` for Spark to read (deleted after
-    the merge; a crash can leave one, which maintenance deletes)."""
-    return f"_batches/{table_location(table)}/"
+def merge_batch_prefix(location: str) -> str:
+    """Where the materializer stages a prepared batch of the table whose folder is ``location`` for
+    Spark to read (deleted after the merge; a crash can leave one, which maintenance deletes)."""
+    return f"_batches/{location}/"
 
 
 def staged_file_lsn(key: str) -> int | None:
