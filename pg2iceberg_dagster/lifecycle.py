@@ -8,7 +8,7 @@ next step (the flusher flushes what it holds, a merge finishes) and starts again
   Iceberg table is kept, or dropped with ``iceberg.drop_removed_tables``;
 - an **added** table joins the publication (when owned) before the flusher starts with the new config,
   so no change of it is skipped, and is then snapshotted in a new snapshot epoch in the background
-  while the other tables stream and merge (see ``Pipeline.run``).
+  while the other tables stream and merge (see ``run_loop.run``).
 
 The same happens when a schema entry of ``tables`` selects other tables than before (a table
 created or dropped there: DDL has no WAL change, so the catalog is read every poll). A config that
@@ -28,6 +28,7 @@ from .config import PipelineConfig, load_config
 from .errors import Pg2IcebergError
 from .metrics import serve_metrics
 from .pipeline import Pipeline
+from .run_loop import run
 from .source.selection import resolve_tables
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def run_following_config(
             metrics.follow(config)
             watch = ConfigWatch(path, loaded, config, stop)
             with Pipeline(config, detached_holder=True, metrics=metrics) as pipeline:
-                pipeline.run(watch.changed, on_progress=on_progress)
+                run(pipeline, watch.changed, on_progress=on_progress)
                 if stop.is_set() or watch.new_config is None:
                     return
                 new = watch.new_config

@@ -6,22 +6,17 @@ the engine but ``config``, ``errors`` and ``quickstart``."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
-from pyiceberg.expressions import BooleanExpression
-from pyiceberg.table import Table
 
-from .checks import ALL_ROWS, ContentCheck, TableCheckReport, duplicate_keys, schema_mismatches
+from .checks import ContentCheck, TableChecker, TableCheckReport
 from .cleanup import CleanupResult, collect_garbage, remove_tables
 from .config import PipelineConfig, TableConfig
 from .coordination.records import Chunk, Lag
@@ -30,7 +25,6 @@ from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
-from .materializer.lanes import LaneConnections, on_lanes
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
@@ -38,14 +32,13 @@ from .metrics import PipelineMetrics, serve_metrics_once
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
-from .source.catalog import SourceTable, TypeResolver, describe_table, modification_count
 from .source.connection import KeptConnection, connect, consistent_read
-from .source.lsn import current_wal_lsn, format_lsn
+from .source.lsn import format_lsn
 from .source.selection import resolve_tables_left_out
 from .staging.store import ObjectStore
 from .tables import MirroredTable, MirroredTables
 from .validation import StartupReport, check_startup, slot_info
-from .verify import KeySlice, TableDiff, choose_key_slice, compare_table, sliceable
+from .verify import TableDiff, compare_table
 
 __all__ = [
     "Chunk",
@@ -70,16 +63,6 @@ __all__ = [
 log = logging.getLogger("pg2iceberg_dagster")
 
 
-# Statistics trail commits by up to a second: a content check looks at them again after this.
-STATS_DELAY_SECONDS = 1.5
-# A content check that found a difference waits this long at most for the flusher to stage past the
-# comparison, to tell a change still in flight from a difference the mirror should not have.
-IN_FLIGHT_WAIT_SECONDS = 10.0
-
-# How often ``run`` reports what it merged (see Pipeline.run's ``on_progress``).
-PROGRESS_SECONDS = 60.0
-# How often ``run`` looks for tables due for maintenance (a query, and one metadata read per merged table).
-UPKEEP_CHECK_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -144,42 +127,6 @@ def _nothing_after(store: CoordinationStore) -> str:
     """What a failed flush left behind, for its error message."""
     flushed = store.flushed_lsn()
     return f"Nothing after flushed_lsn {format_lsn(flushed) if flushed else '-'} was registered or acknowledged"
-
-
-@dataclass(frozen=True)
-class _CheckScope:
-    """What a table's checks cover: every row, or a key range of a large table (see
-    ``checks.compare_max_rows``); and why its content is not compared, if so."""
-
-    key_slice: KeySlice | None = None
-    slice_keys: bool = False  # the duplicate-key check too covers the slice only (with key_slice only)
-    described: str = ALL_ROWS
-    not_compared: str = ""
-
-    def keys_filter(self) -> BooleanExpression | None:
-        return self.key_slice.row_filter() if self.key_slice and self.slice_keys else None
-
-    def report(
-        self, duplicates: tuple[int, list[tuple]], problems: list[str], content: ContentCheck
-    ) -> TableCheckReport:
-        keys_checked = self.described if self.slice_keys else ALL_ROWS
-        content_checked = self.described if content.diff is not None else ALL_ROWS
-        return TableCheckReport(*duplicates, problems, content, keys_checked, content_checked)
-
-
-@dataclass(frozen=True)
-class _Compared:
-    """A table checked and compared with the source; whether the source was written meanwhile (so
-    whether a difference is conclusive) is read later."""
-
-    duplicates: tuple[int, list[tuple]]
-    schema_problems: list[str]
-    scope: _CheckScope
-    diff: TableDiff
-    oid: int
-    writes_before: int
-    wal: int  # the source's WAL position as the comparison's snapshot was taken
-    started: float
 
 
 class Pipeline:
@@ -414,155 +361,9 @@ class Pipeline:
         )
 
     def check_tables(self, table_keys: list[str]) -> Iterator[tuple[str, TableCheckReport | Exception]]:
-        """Per table, as each is done (or the error that stopped its checks): one row per primary key;
-        the schema follows the source's columns as they are now; the rows equal the source's when
-        nothing is left to merge, compared at one consistent point of the source. Tables are checked
-        ``materialize.parallelism`` at a time. Whether the source was written during a comparison is
-        read from its statistics, which trail commits: the tables compared share one wait for them."""
-        compared: list[tuple[str, _Compared]] = []
-        count = max(1, min(self.config.materialize.parallelism, len(table_keys)))
-        open_lane = functools.partial(LaneConnections.open, self.config)
-        for key, outcome in on_lanes(table_keys, count, open_lane, LaneConnections.close, self._check_table):
-            if isinstance(outcome, _Compared):
-                compared.append((key, outcome))
-            else:
-                yield key, outcome
-        if not compared:
-            return
-        last_started = max(table.started for _, table in compared)
-        time.sleep(max(0.0, STATS_DELAY_SECONDS - (time.monotonic() - last_started)))
-        flushed = self._flushed_past(max((t.wal for _, t in compared if not t.diff.ok), default=None))
-        conn = self.source_connection()
-        for key, table in compared:
-            written = modification_count(conn, table.oid) != table.writes_before
-            # A change committed before the comparison but not merged: not staged yet when it was
-            # compared (the flusher had not passed it), or staged since (the table lags again).
-            in_flight = not table.diff.ok and (flushed < table.wal or self.lag(key).changes > 0)
-            content = ContentCheck(0, table.diff, source_written_during_check=written, changes_in_flight=in_flight)
-            yield key, table.scope.report(table.duplicates, table.schema_problems, content)
-
-    def _flushed_past(self, lsn: int | None) -> int:
-        """The flushed LSN, once it is at or past ``lsn`` or after :data:`IN_FLIGHT_WAIT_SECONDS`
-        (no wait when ``lsn`` is None)."""
-        deadline = time.monotonic() + IN_FLIGHT_WAIT_SECONDS
-        while True:
-            flushed = self.store.flushed_lsn() or 0
-            if lsn is None or flushed >= lsn or time.monotonic() >= deadline:
-                return flushed
-            time.sleep(0.5)
-
-    def _check_table(self, lane: LaneConnections, table_key: str) -> TableCheckReport | _Compared:
-        """One table's checks (see :meth:`check_tables`); a comparison still waits for the statistics."""
-        table = self.catalog.load_table(self.tables[table_key].iceberg)
-        conn = lane.source()
-        source = describe_table(conn, self.tables[table_key].config, TypeResolver(conn))
-        problems = schema_mismatches(source, table)
-        scope = self._check_scope(conn, source, table)
-        duplicates = duplicate_keys(table, scope.keys_filter())
-        lag = lane.store.lag(self.config.materialize.group, table_key)
-        if lag.changes > 0 or scope.not_compared:
-            return scope.report(duplicates, problems, ContentCheck(lag.changes, not_compared=scope.not_compared))
-        writes_before = modification_count(conn, source.oid)
-        started = time.monotonic()
-        with consistent_read(conn):
-            wal = current_wal_lsn(conn)  # the transaction's first query: its snapshot is taken here
-            rule = self.config.values.out_of_range
-            diff = compare_table(conn, source, table, rule, key_slice=scope.key_slice)
-        return _Compared(duplicates, problems, scope, diff, source.oid, writes_before, wal, started)
-
-    def _check_scope(self, conn: psycopg.Connection, source: SourceTable, table: Table) -> _CheckScope:
-        """Every row, or above ``checks.compare_max_rows`` a key range of that many rows from a random
-        key (each check another); its duplicate keys too above ``checks.unique_keys_max_rows``."""
-        checks = self.config.checks
-        rows = summary_health(table).records
-        if rows <= checks.compare_max_rows:
-            return _CheckScope()
-        if not sliceable(source):
-            return _CheckScope(
-                not_compared=(
-                    f"about {rows:,} rows, more than checks.compare_max_rows ({checks.compare_max_rows:,}), and a "
-                    f"primary key that is not all integer columns cannot be compared a range at a time; "
-                    f"`pg2iceberg-dagster verify --table {source.key}` compares the whole table"
-                )
-            )
-        key_slice = choose_key_slice(conn, source, checks.compare_max_rows)
-        if key_slice is None:  # the source is empty: nothing to slice
-            return _CheckScope()
-        described = f"{key_slice.describe()} ({checks.compare_max_rows:,} of about {rows:,} rows)"
-        return _CheckScope(key_slice, rows > checks.unique_keys_max_rows, described)
-
-    def run(
-        self, stop: threading.Event, interval: float | None = None, on_progress: Callable[[str], None] | None = None
-    ) -> None:
-        """Everything in one process: snapshot, then stream in a thread while merging; ``on_progress``
-        is given a line on what was merged and what lags every :data:`PROGRESS_SECONDS`.
-
-        A merge starts as soon as the flusher has staged something (and at least every ``interval``
-        seconds, default ``materialize.interval_seconds``), and while no merge runs the flusher stages
-        ``flush.min_interval_seconds`` after its previous flush rather than ``flush.interval_seconds``:
-        a change waits for the merge in progress (or that minimum, whichever is longer) and its own
-        merge, not for a flush interval or a polling period. While a merge runs, commits gather for the
-        flush made when it ends. The Spark session is created once and lives as long as the process.
-
-        The first run snapshots every table before it streams (the snapshot creates the slot). Once a
-        table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
-        background, in a new snapshot epoch, while the others stream and merge.
-        """
-        report = self.validate()  # adds tables new to the config to an owned publication, before streaming
-        states = self.store.table_states()
-        if not any(states[key].snapshot_complete for key in report.tables if key in states):
-            self.snapshot()
-        errors: list[BaseException] = []
-        staged = threading.Event()
-        merge_idle = threading.Event()  # set while the loop below waits: a flush now is merged at once
-
-        def stream() -> None:
-            try:
-                self.stream(stop, on_flush=lambda _stats: staged.set(), merge_idle=merge_idle)
-            except BaseException as exc:  # surfaced to the main loop
-                errors.append(exc)
-                stop.set()
-            finally:
-                staged.set()
-
-        thread = threading.Thread(target=stream, name="flusher", daemon=True)
-        thread.start()
-        materializer = self.materializer()
-        upkeep = _Upkeep(self.maintainer(), self.metrics) if self.config.maintenance.enabled else None
-        copies = _CopyWorker(self.config)
-        wait = interval if interval is not None else self.config.materialize.interval_seconds
-        progress = _Progress(self.store, self.config.materialize.group, on_progress)
-        try:
-            while not stop.is_set():
-                staged.clear()  # a flush during the merge below sets it again: merge right after
-                results = materializer.run_once()
-                self.metrics.record_merges(results)
-                progress.after_merges(results)
-                if upkeep is not None:
-                    upkeep.after_merges(results)
-                copies.start_next(
-                    any(r.waiting_for_snapshot for r in results.values()),
-                    {key: r.resync_reason for key, r in results.items() if r.resync_reason},
-                )
-                for result in results.values():
-                    if result.batches:
-                        log.info(
-                            "merged %s: %d changes in %.2f s (%s), lag %d",
-                            result.table,
-                            result.changes,
-                            result.seconds,
-                            ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
-                            result.lag.changes,
-                        )
-                merge_idle.set()
-                _wait_for_either(stop, staged, wait)
-                merge_idle.clear()
-        finally:
-            stop.set()
-            thread.join()
-            copies.join()
-        if errors:
-            raise errors[0]
+        """The data checks of ``table_keys``, per table as each is done (see checks.TableChecker)."""
+        checker = TableChecker(self.config, self.tables, self.store, self.catalog, self.source_connection)
+        return checker.check_tables(table_keys)
 
     def catch_up(self) -> FlushStats:
         """Flush everything up to the current WAL position, then merge every table to its head."""
@@ -661,131 +462,3 @@ class Pipeline:
             "tables": tables,
             "no_longer_configured": self.no_longer_configured(),
         }
-
-
-class _Progress:
-    """What ``run`` merged over the last :data:`PROGRESS_SECONDS`, and what lags, as one line."""
-
-    def __init__(self, store: CoordinationStore, group: str, on_progress: Callable[[str], None] | None) -> None:
-        self.store = store
-        self.group = group
-        self.on_progress = on_progress
-        self.since = time.monotonic()
-        self.changes = 0
-        self.tables: set[str] = set()
-
-    def after_merges(self, results: dict[str, MergeResult]) -> None:
-        for key, result in results.items():
-            if result.changes:
-                self.changes += result.changes
-                self.tables.add(key)
-        elapsed = time.monotonic() - self.since
-        if self.on_progress is None or elapsed < PROGRESS_SECONDS:
-            return
-        lagging = {key: (lag, age) for key, (lag, age) in self.store.lags(self.group).items() if lag.changes}
-        behind = (
-            f"{len(lagging)} tables lag by {sum(lag.changes for lag, _ in lagging.values()):,} changes, the oldest "
-            f"staged {max(age for _, age in lagging.values()):.1f} s ago"
-            if lagging
-            else "no table lags"
-        )
-        self.on_progress(
-            f"merged {self.changes:,} changes into {len(self.tables)} tables in the last {elapsed:.0f} s; {behind}"
-        )
-        self.since, self.changes, self.tables = time.monotonic(), 0, set()
-
-
-class _CopyWorker:
-    """``run``'s copies of tables: the snapshot of tables added to the config, and resyncs. One at a
-    time, in a thread with its own connections, while the flusher streams and the other tables merge.
-    A failed copy is logged and tried again after a pause."""
-
-    RETRY_SECONDS = 60.0
-    SNAPSHOT = "the snapshot of new tables"
-
-    def __init__(self, config: PipelineConfig) -> None:
-        self.config = config
-        self._thread: threading.Thread | None = None
-        self._failed_at: dict[str, float] = {}
-
-    def start_next(self, snapshot_pending: bool, resyncs: dict[str, str]) -> None:
-        """Start the snapshot (when ``snapshot_pending``), else the first of ``resyncs`` (table ->
-        reason), unless a copy is running or failed too recently."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        now = time.monotonic()
-        jobs = ([self.SNAPSHOT] if snapshot_pending else []) + list(resyncs)
-        ready = [job for job in jobs if now - self._failed_at.get(job, -self.RETRY_SECONDS) >= self.RETRY_SECONDS]
-        if ready:
-            self._thread = threading.Thread(target=self._copy, args=(ready[0], resyncs.get(ready[0])), name=ready[0])
-            self._thread.start()
-
-    def _copy(self, job: str, reason: str | None) -> None:
-        try:
-            # Neither a snapshot nor a resync needs Spark; the holder process outlives a crash of run.
-            with Pipeline(self.config, detached_holder=True) as pipeline:
-                if job == self.SNAPSHOT:
-                    results = pipeline.snapshot()
-                    log.warning("snapshotted %s", ", ".join(f"{k} ({r.rows} rows)" for k, r in results.items()))
-                else:
-                    log.warning("resyncing %s online: %s", job, reason)
-                    result = pipeline.resync(job)
-                    log.warning("resynced %s: %d rows in %.1f s", job, result.rows, result.seconds)
-            self._failed_at.pop(job, None)
-        except Exception:
-            self._failed_at[job] = time.monotonic()
-            log.exception("%s failed; trying again in %.0f s", job, self.RETRY_SECONDS)
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-
-
-class _Upkeep:
-    """Maintenance inside ``run``: between merges, a pass over each table that is due (see
-    maintenance.Maintainer.due), looked for at most every :data:`UPKEEP_CHECK_SECONDS`."""
-
-    def __init__(self, maintainer: Maintainer, metrics: PipelineMetrics) -> None:
-        self.maintainer = maintainer
-        self.metrics = metrics
-        self.merged: set[str] = set()
-        self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
-
-    def after_merges(self, results: dict[str, MergeResult]) -> None:
-        self.merged.update(key for key, result in results.items() if result.batches)
-        if time.monotonic() < self.next_check:
-            return
-        for key, reason in self.maintainer.due(self.merged).items():
-            try:
-                done = self.maintainer.maintain(key, reason)
-            except Exception:
-                # Upkeep is not what keeps the mirror exact: merges go on, the next check tries again.
-                log.error("maintenance of %s failed; merges go on, the next check retries it", key, exc_info=True)
-                continue
-            if not done.skipped:
-                self.metrics.record_maintenance(key, done.seconds)
-                log.info("maintained %s (%s) in %.1f s: %s", key, reason, done.seconds, _maintenance_line(done))
-        self.merged.clear()
-        self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
-
-
-def _maintenance_line(result: MaintenanceResult) -> str:
-    """What a pass did, in one log line."""
-    rewrites = result.rewrites
-    before, after = result.before, result.after
-    files = f"data files {before.data_files} -> {after.data_files}" if before and after else ""
-    return (
-        f"{files}, {rewrites.data_files_rewritten} rewritten, {rewrites.delete_files_removed} delete files removed, "
-        f"{rewrites.snapshots_expired} snapshots expired, {result.orphans_removed} orphans and "
-        f"{result.staged_files_removed} staged files deleted"
-    )
-
-
-def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: float) -> None:
-    """Return when ``stop`` or ``wake`` is set, or after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (stop.is_set() or wake.is_set()):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
-        wake.wait(min(remaining, 0.2))  # short slices: ``stop`` is set by a signal handler, not by us

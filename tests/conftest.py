@@ -25,6 +25,7 @@ from pg2iceberg_dagster.coordination.records import Chunk
 from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.lifecycle import run_following_config
 from pg2iceberg_dagster.pipeline import Pipeline
+from pg2iceberg_dagster.run_loop import run
 from pg2iceberg_dagster.snapshot.chunks import WrittenChunk
 from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
 from pg2iceberg_dagster.source.catalog import SourceTable
@@ -231,7 +232,7 @@ def pipeline_running(
     pipeline: Pipeline, interval: float | None = None, on_progress: Callable[[str], None] | None = None
 ) -> contextlib.AbstractContextManager[list[BaseException]]:
     """``pipeline.run`` in a thread until the block ends; yields the list of errors it raised."""
-    return _in_thread(lambda stop: pipeline.run(stop, interval, on_progress))
+    return _in_thread(lambda stop: run(pipeline, stop, interval, on_progress))
 
 
 def assert_mirrored(pipeline: Pipeline) -> None:

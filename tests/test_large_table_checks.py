@@ -15,7 +15,7 @@ from dagster import AssetCheckSeverity, AssetKey
 from psycopg import sql
 
 from assets.tables import table_check_results
-from pg2iceberg_dagster import pipeline as pipeline_module
+from pg2iceberg_dagster import checks as checks_module
 from pg2iceberg_dagster import verify as verify_module
 from pg2iceberg_dagster.errors import ConfigError
 from pg2iceberg_dagster.source.catalog import TypeResolver, describe_table
@@ -31,7 +31,7 @@ COMPOSITE, TEXT_KEY, SMALL = "public.composite_key", "public.text_key", "public.
 
 
 def test_a_large_table_is_checked_a_key_range_at_a_time(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pipeline_module, "IN_FLIGHT_WAIT_SECONDS", 0.0)  # no flusher runs here
+    monkeypatch.setattr(checks_module, "IN_FLIGHT_WAIT_SECONDS", 0.0)  # no flusher runs here
     source.execute(f"CREATE TABLE {COMPOSITE} (tenant int, id bigint, v text, PRIMARY KEY (tenant, id))")
     source.execute(f"INSERT INTO {COMPOSITE} SELECT t, i, 'v' FROM generate_series(1, 3) t, generate_series(1, 100) i")
     source.execute(f"CREATE TABLE {TEXT_KEY} (code text PRIMARY KEY, v text)")

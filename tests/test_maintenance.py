@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pg2iceberg_dagster import pipeline as pipeline_module
+from pg2iceberg_dagster import run_loop
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.maintenance import maintainer as maintainer_module
@@ -171,7 +171,7 @@ def test_run_maintains_tables_between_merges(source: SourceDb, monkeypatch: pyte
     """``run`` with live writes: tables whose files call for it are compacted and their snapshots
     expired between merges, and the mirror stays exact."""
     config = _config(source, compact_at_files=3)
-    monkeypatch.setattr(pipeline_module, "UPKEEP_CHECK_SECONDS", 0.5)
+    monkeypatch.setattr(run_loop, "UPKEEP_CHECK_SECONDS", 0.5)
     pipeline = _churned(source, config, 0)
     with pipeline_running(pipeline, interval=0.5) as errors:
         for round_ in range(12):

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from definitions import build_definitions
 from pg2iceberg_dagster import metrics as metrics_module
-from pg2iceberg_dagster import pipeline as pipeline_module
+from pg2iceberg_dagster import run_loop
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.embedded import free_port
@@ -281,7 +281,7 @@ def test_run_says_what_it_merged_and_what_lags(source: SourceDb, monkeypatch: py
     counts are the ones written, and once merged nothing lags."""
     source.execute("CREATE TABLE public.progress (id int PRIMARY KEY, v text)")
     source.execute("INSERT INTO public.progress SELECT g, 'v' FROM generate_series(1, 10) g")
-    monkeypatch.setattr(pipeline_module, "PROGRESS_SECONDS", 1.0)
+    monkeypatch.setattr(run_loop, "PROGRESS_SECONDS", 1.0)
     pipeline = source.pipeline(source.config(["public.progress"]))
     lines: list[str] = []
 

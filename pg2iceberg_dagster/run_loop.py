@@ -1,0 +1,229 @@
+"""``run``: everything in one process, with the pipeline's parts: the snapshot first, then the flusher
+in a thread while merges follow each flush, maintenance when due, and tables added since snapshotted
+(or resynced) in the background."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .config import PipelineConfig
+from .coordination.store import CoordinationStore
+from .maintenance import Maintainer, MaintenanceResult
+from .materializer.merge import MergeResult
+from .metrics import PipelineMetrics
+from .pipeline import Pipeline
+
+log = logging.getLogger("pg2iceberg_dagster")
+
+# How often ``run`` reports what it merged (see run's ``on_progress``).
+PROGRESS_SECONDS = 60.0
+# How often ``run`` looks for tables due for maintenance (a query, and one metadata read per merged table).
+UPKEEP_CHECK_SECONDS = 30.0
+
+
+def run(
+    pipeline: Pipeline,
+    stop: threading.Event,
+    interval: float | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> None:
+    """Everything in one process: snapshot, then stream in a thread while merging; ``on_progress``
+    is given a line on what was merged and what lags every :data:`PROGRESS_SECONDS`.
+
+    A merge starts as soon as the flusher has staged something (and at least every ``interval``
+    seconds, default ``materialize.interval_seconds``), and while no merge runs the flusher stages
+    ``flush.min_interval_seconds`` after its previous flush rather than ``flush.interval_seconds``:
+    a change waits for the merge in progress (or that minimum, whichever is longer) and its own
+    merge, not for a flush interval or a polling period. While a merge runs, commits gather for the
+    flush made when it ends. The Spark session is created once and lives as long as the process.
+
+    The first run snapshots every table before it streams (the snapshot creates the slot). Once a
+    table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
+    background, in a new snapshot epoch, while the others stream and merge.
+    """
+    report = pipeline.validate()  # adds tables new to the config to an owned publication, before streaming
+    states = pipeline.store.table_states()
+    if not any(states[key].snapshot_complete for key in report.tables if key in states):
+        pipeline.snapshot()
+    errors: list[BaseException] = []
+    staged = threading.Event()
+    merge_idle = threading.Event()  # set while the loop below waits: a flush now is merged at once
+
+    def stream() -> None:
+        try:
+            pipeline.stream(stop, on_flush=lambda _stats: staged.set(), merge_idle=merge_idle)
+        except BaseException as exc:  # surfaced to the main loop
+            errors.append(exc)
+            stop.set()
+        finally:
+            staged.set()
+
+    thread = threading.Thread(target=stream, name="flusher", daemon=True)
+    thread.start()
+    materializer = pipeline.materializer()
+    upkeep = _Upkeep(pipeline.maintainer(), pipeline.metrics) if pipeline.config.maintenance.enabled else None
+    copies = _CopyWorker(pipeline.config)
+    wait = interval if interval is not None else pipeline.config.materialize.interval_seconds
+    progress = _Progress(pipeline.store, pipeline.config.materialize.group, on_progress)
+    try:
+        while not stop.is_set():
+            staged.clear()  # a flush during the merge below sets it again: merge right after
+            results = materializer.run_once()
+            pipeline.metrics.record_merges(results)
+            progress.after_merges(results)
+            if upkeep is not None:
+                upkeep.after_merges(results)
+            copies.start_next(
+                any(r.waiting_for_snapshot for r in results.values()),
+                {key: r.resync_reason for key, r in results.items() if r.resync_reason},
+            )
+            for result in results.values():
+                if result.batches:
+                    log.info(
+                        "merged %s: %d changes in %.2f s (%s), lag %d",
+                        result.table,
+                        result.changes,
+                        result.seconds,
+                        ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
+                        result.lag.changes,
+                    )
+            merge_idle.set()
+            _wait_for_either(stop, staged, wait)
+            merge_idle.clear()
+    finally:
+        stop.set()
+        thread.join()
+        copies.join()
+    if errors:
+        raise errors[0]
+
+
+class _Progress:
+    """What ``run`` merged over the last :data:`PROGRESS_SECONDS`, and what lags, as one line."""
+
+    def __init__(self, store: CoordinationStore, group: str, on_progress: Callable[[str], None] | None) -> None:
+        self.store = store
+        self.group = group
+        self.on_progress = on_progress
+        self.since = time.monotonic()
+        self.changes = 0
+        self.tables: set[str] = set()
+
+    def after_merges(self, results: dict[str, MergeResult]) -> None:
+        for key, result in results.items():
+            if result.changes:
+                self.changes += result.changes
+                self.tables.add(key)
+        elapsed = time.monotonic() - self.since
+        if self.on_progress is None or elapsed < PROGRESS_SECONDS:
+            return
+        lagging = {key: (lag, age) for key, (lag, age) in self.store.lags(self.group).items() if lag.changes}
+        behind = (
+            f"{len(lagging)} tables lag by {sum(lag.changes for lag, _ in lagging.values()):,} changes, the oldest "
+            f"staged {max(age for _, age in lagging.values()):.1f} s ago"
+            if lagging
+            else "no table lags"
+        )
+        self.on_progress(
+            f"merged {self.changes:,} changes into {len(self.tables)} tables in the last {elapsed:.0f} s; {behind}"
+        )
+        self.since, self.changes, self.tables = time.monotonic(), 0, set()
+
+
+class _CopyWorker:
+    """``run``'s copies of tables: the snapshot of tables added to the config, and resyncs. One at a
+    time, in a thread with its own connections, while the flusher streams and the other tables merge.
+    A failed copy is logged and tried again after a pause."""
+
+    RETRY_SECONDS = 60.0
+    SNAPSHOT = "the snapshot of new tables"
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self._thread: threading.Thread | None = None
+        self._failed_at: dict[str, float] = {}
+
+    def start_next(self, snapshot_pending: bool, resyncs: dict[str, str]) -> None:
+        """Start the snapshot (when ``snapshot_pending``), else the first of ``resyncs`` (table ->
+        reason), unless a copy is running or failed too recently."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        now = time.monotonic()
+        jobs = ([self.SNAPSHOT] if snapshot_pending else []) + list(resyncs)
+        ready = [job for job in jobs if now - self._failed_at.get(job, -self.RETRY_SECONDS) >= self.RETRY_SECONDS]
+        if ready:
+            self._thread = threading.Thread(target=self._copy, args=(ready[0], resyncs.get(ready[0])), name=ready[0])
+            self._thread.start()
+
+    def _copy(self, job: str, reason: str | None) -> None:
+        try:
+            # Neither a snapshot nor a resync needs Spark; the holder process outlives a crash of run.
+            with Pipeline(self.config, detached_holder=True) as pipeline:
+                if job == self.SNAPSHOT:
+                    results = pipeline.snapshot()
+                    log.warning("snapshotted %s", ", ".join(f"{k} ({r.rows} rows)" for k, r in results.items()))
+                else:
+                    log.warning("resyncing %s online: %s", job, reason)
+                    result = pipeline.resync(job)
+                    log.warning("resynced %s: %d rows in %.1f s", job, result.rows, result.seconds)
+            self._failed_at.pop(job, None)
+        except Exception:
+            self._failed_at[job] = time.monotonic()
+            log.exception("%s failed; trying again in %.0f s", job, self.RETRY_SECONDS)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+class _Upkeep:
+    """Maintenance inside ``run``: between merges, a pass over each table that is due (see
+    maintenance.Maintainer.due), looked for at most every :data:`UPKEEP_CHECK_SECONDS`."""
+
+    def __init__(self, maintainer: Maintainer, metrics: PipelineMetrics) -> None:
+        self.maintainer = maintainer
+        self.metrics = metrics
+        self.merged: set[str] = set()
+        self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
+
+    def after_merges(self, results: dict[str, MergeResult]) -> None:
+        self.merged.update(key for key, result in results.items() if result.batches)
+        if time.monotonic() < self.next_check:
+            return
+        for key, reason in self.maintainer.due(self.merged).items():
+            try:
+                done = self.maintainer.maintain(key, reason)
+            except Exception:
+                # Upkeep is not what keeps the mirror exact: merges go on, the next check tries again.
+                log.error("maintenance of %s failed; merges go on, the next check retries it", key, exc_info=True)
+                continue
+            if not done.skipped:
+                self.metrics.record_maintenance(key, done.seconds)
+                log.info("maintained %s (%s) in %.1f s: %s", key, reason, done.seconds, _maintenance_line(done))
+        self.merged.clear()
+        self.next_check = time.monotonic() + UPKEEP_CHECK_SECONDS
+
+
+def _maintenance_line(result: MaintenanceResult) -> str:
+    """What a pass did, in one log line."""
+    rewrites = result.rewrites
+    before, after = result.before, result.after
+    files = f"data files {before.data_files} -> {after.data_files}" if before and after else ""
+    return (
+        f"{files}, {rewrites.data_files_rewritten} rewritten, {rewrites.delete_files_removed} delete files removed, "
+        f"{rewrites.snapshots_expired} snapshots expired, {result.orphans_removed} orphans and "
+        f"{result.staged_files_removed} staged files deleted"
+    )
+
+
+def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: float) -> None:
+    """Return when ``stop`` or ``wake`` is set, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (stop.is_set() or wake.is_set()):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        wake.wait(min(remaining, 0.2))  # short slices: ``stop`` is set by a signal handler, not by us
