@@ -1,7 +1,7 @@
 """The engine's one door: validate, snapshot (whole or by chunk partitions), stream, materialize,
-run, verify, check, status and lag. The CLI and the Dagster layer drive the engine through
+run, verify, check, status and lag. The CLI and the Dagster integration drive the engine through
 :class:`Pipeline` and the plain results defined or re-exported here; they import nothing else from
-the engine but ``config``, ``errors`` and ``quickstart``."""
+the engine but ``config`` and ``errors`` (and the CLI ``quickstart``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .coordination.store import Chunk, CoordinationStore, Lag
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog, table_identifier
-from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
+from .maintenance import Maintainer, MaintenanceResult, TableHealth, compaction_due, measured_health, summary_health
 from .materializer.lanes import LaneConnections, on_lanes
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
@@ -57,9 +57,12 @@ __all__ = [
     "SnapshotPlan",
     "TableCheckReport",
     "TableDiff",
+    "TableHealth",
     "TableSnapshotResult",
     "TableStatus",
     "build_spark_session",
+    "compaction_due",
+    "resolve_tables",
     "serve_metrics_once",
     "warm_spark_session",
 ]
