@@ -1,6 +1,7 @@
 """The Dagster integration of the mirror, installed with the package (``pip install pg2iceberg-dagster``).
 
-Add a mirror to a Dagster project in Python::
+Add a mirror to a Dagster project with the component (``dg scaffold defs
+pg2iceberg_dagster.dagster_integration.Pg2IcebergComponent mirror``) or in Python::
 
     from pg2iceberg_dagster.dagster_integration import build_definitions
 
@@ -9,6 +10,7 @@ Add a mirror to a Dagster project in Python::
 The engine never imports this package; it reaches the engine through ``pg2iceberg_dagster.pipeline``
 (plus ``config`` and ``errors``)."""
 
+from .component import Pg2IcebergComponent
 from .definitions import build_definitions, mirror_definitions
 from .mirror import DEFAULT_NAME, Mirror
 from .resources import Pg2IcebergResource, PostgresResource, SparkResource
@@ -18,6 +20,7 @@ __all__ = [
     "DEFAULT_NAME",
     "ROLES",
     "Mirror",
+    "Pg2IcebergComponent",
     "Pg2IcebergResource",
     "Pg2IcebergTranslator",
     "PostgresResource",
