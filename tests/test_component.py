@@ -1,9 +1,10 @@
 """The Dagster integration as a team installs it: a project made by ``create-dagster`` in a temporary
-directory, this checkout installed in the venv that runs the tests, two mirrors (two source databases)
+directory, this checkout installed in the venv that runs the tests, mirrors of two source databases
 scaffolded with ``dg scaffold defs`` beside a team's own automation sensor; ``dg check defs`` passes and
-``dg list defs`` shows both mirrors' assets, sensors, jobs and resources. Also, without ``dg``: two
-mirrors merge into one code location, a translator subclass renames keys with the graph intact, loading
-definitions writes nothing, and importing the engine does not import Dagster."""
+``dg list defs`` shows both mirrors' assets, sensors, jobs and resources, a schema entry's tables read
+into the component's state. Also, without ``dg``: two mirrors merge into one code location, a translator
+subclass renames keys with the graph intact, loading definitions writes nothing, and importing the
+engine does not import Dagster."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from dagster import AssetKey, AssetsDefinition, Definitions
 from pg2iceberg_dagster.config import TableConfig, parse_config
 from pg2iceberg_dagster.dagster_integration import ROLES, Pg2IcebergTranslator, build_definitions
 
+from .conftest import SourceDb
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 COMPONENT = "pg2iceberg_dagster.dagster_integration.Pg2IcebergComponent"
 
 
-def _config(dbname: str, tables: list[str]) -> dict[str, Any]:
+def _config(dbname: str, tables: list[Any]) -> dict[str, Any]:
     return {
         "source": {"host": "127.0.0.1", "dbname": dbname, "user": "replicator", "password_env": "PGPASSWORD"},
         "tables": tables,
@@ -133,14 +136,26 @@ post_processing:
 """
 
 
+OFFLINE_STATE = """\
+  defs_state:
+    management_type: LOCAL_FILESYSTEM
+    refresh_if_dev: false
+"""
+
+
 @pytest.mark.timeout(600)
-def test_a_dagster_project_adds_two_mirrors_with_dg(tmp_path: Path) -> None:
+def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: Path) -> None:
+    source.execute("CREATE SCHEMA billing")
+    source.execute(
+        "CREATE TABLE billing.orders (id int PRIMARY KEY); CREATE TABLE billing.invoices (id int PRIMARY KEY)"
+    )
     _run(["create-dagster", "project", "teamproj", "--no-uv-sync"], tmp_path)
     project = tmp_path / "teamproj"
     defs_dir = project / "src" / "teamproj" / "defs"
     assert COMPONENT in _run(["dg", "list", "components", "--json"], project)
 
-    # The first mirror with the starter config the scaffolder writes; the second names its own.
+    # The first mirror with the starter config the scaffolder writes; the second names its own: every
+    # table of the schema billing of another database (read into the component's state by dg).
     _run(["dg", "scaffold", "defs", COMPONENT, "mirror"], project)
     assert yaml.safe_load((defs_dir / "mirror" / "defs.yaml").read_text()) == {
         "type": COMPONENT,
@@ -148,42 +163,50 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(tmp_path: Path) -> None:
     }
     assert (defs_dir / "mirror" / "pg2iceberg.yaml").exists()
     _run(["dg", "scaffold", "defs", COMPONENT, "billing", "--json-params", '{"config": "billing.yaml"}'], project)
-    (defs_dir / "billing" / "billing.yaml").write_text(yaml.safe_dump(_config("billing", ["public.orders"])))
+    billing_config = source.config([{"schema": "billing"}], iceberg={"namespace": "{schema}"})
+    (defs_dir / "billing" / "billing.yaml").write_text(yaml.safe_dump(billing_config.model_dump(mode="json")))
     with (defs_dir / "billing" / "defs.yaml").open("a") as defs_yaml:
         defs_yaml.write(BILLING_TRANSLATION)
+    # A third whose source is unreachable: with no state and no refresh, it loads its named tables
+    # without connecting.
+    _run(["dg", "scaffold", "defs", COMPONENT, "offline"], project)
+    offline = _config("offline", ["public.named", {"schema": "public"}])
+    offline["source"]["port"] = 1
+    (defs_dir / "offline" / "pg2iceberg.yaml").write_text(yaml.safe_dump(offline))
+    with (defs_dir / "offline" / "defs.yaml").open("a") as defs_yaml:
+        defs_yaml.write(OFFLINE_STATE)
     (defs_dir / "team").mkdir()
     (defs_dir / "team" / "defs.py").write_text(TEAM_DEFS)
 
     assert "All definitions loaded successfully" in _run(["dg", "check", "defs"], project)
     listed = json.loads(_run(["dg", "list", "defs", "--json"], project))
     assets = {_field(asset, "asset_key", "key"): asset for asset in listed["assets"]}
-    for prefix in ("", "billing/"):
-        for key in ("pg/public/orders_source", "staged_log/public/orders_staged_log", "iceberg/public/orders"):
-            assert prefix + key in assets
-    billing = assets["billing/iceberg/public/orders"]
-    assert _field(billing, "group_name", "group") == "billing_public"
+    for key in ("pg/public/orders_source", "staged_log/public/orders_staged_log", "iceberg/public/orders"):
+        assert key in assets
+    for table in ("orders", "invoices"):
+        for key in (f"pg/billing/{table}_source", f"staged_log/billing/{table}_staged_log", f"iceberg/billing/{table}"):
+            assert f"billing/{key}" in assets
+    assert "pg/public/named_source" in assets
+    assert len(assets) == 4 * (1 + 2 + 1) + 1, "four per table (mirror, billing's two, offline) and the team's"
+    billing = assets["billing/iceberg/billing/orders"]
+    assert _field(billing, "group_name", "group") == "billing_billing"
     assert "billing" in json.dumps(billing["owners"])
     assert billing["kinds"] == ["pg2iceberg"], "post_processing applies"
     assert set(_field(billing, "dependency_keys", "deps")) == {
-        "billing/iceberg/public/orders_snapshot",
-        "billing/staged_log/public/orders_staged_log",
+        "billing/iceberg/billing/orders_snapshot",
+        "billing/staged_log/billing/orders_staged_log",
     }
     sensors = {sensor["name"] for sensor in listed["sensors"]}
     assert {"mirror_flusher", "billing_flusher", "mirror_merge_automation", "billing_merge_automation"} <= sensors
     assert "team_automation" in sensors
     assert {job["name"] for job in listed["jobs"]} == {
-        "mirror_resync",
-        "mirror_maintenance",
-        "billing_resync",
-        "billing_maintenance",
+        f"{mirror}_{job}" for mirror in ("mirror", "billing", "offline") for job in ("resync", "maintenance")
     }
-    assert {resource["name"] for resource in listed["resources"]} == {
-        "mirror",
-        "mirror_spark",
-        "billing",
-        "billing_spark",
+    resources = {resource["name"] for resource in listed["resources"]}
+    assert resources == {
+        f"{mirror}{suffix}" for mirror in ("mirror", "billing", "offline") for suffix in ("", "_spark")
     }
-    assert len(listed["asset_checks"]) == 8  # four checks per live table
+    assert len(listed["asset_checks"]) == 4 * 4  # four checks per live table
 
 
 def _written() -> list[tuple[str, float]]:

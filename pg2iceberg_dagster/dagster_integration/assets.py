@@ -284,9 +284,7 @@ def _check_key(result: AssetCheckResult) -> AssetCheckKey:
     return AssetCheckKey(result.asset_key, result.check_name)
 
 
-def table_definitions(
-    mirror: Mirror, pg2iceberg: Pg2IcebergResource
-) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
+def table_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
     """External specs and assets for every configured table: per table its source, staged log and
     snapshot; the live tables together in one multi-asset, whose merge automation reads the lag
     through ``pg2iceberg``."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from ..config import PipelineConfig, SchemaSelection, TableConfig
+from ..config import PipelineConfig, SchemaSelection
 from .catalog import ROW_SECURITY_APPLIES
 from .connection import connect
 
@@ -98,10 +98,4 @@ def resolve_tables(config: PipelineConfig, warn: bool = True) -> PipelineConfig:
         found, left_out = selected_tables(conn, config.schemas)
     if left_out and warn:
         log.warning("left out: %s", "; ".join(f"{key} ({reason})" for key, reason in left_out.items()))
-    named = {table.key for table in config.tables}
-    added = [
-        TableConfig.named(schema_name, table_name)
-        for schema_name, table_name in found
-        if f"{schema_name}.{table_name}" not in named
-    ]
-    return config.model_copy(update={"tables": [*config.tables, *added]})
+    return config.with_selected_tables(found)
