@@ -162,7 +162,7 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: 
         "attributes": {"config": "pg2iceberg.yaml"},
     }
     assert (defs_dir / "mirror" / "pg2iceberg.yaml").exists()
-    _run(["dg", "scaffold", "defs", COMPONENT, "billing", "--json-params", '{"config": "billing.yaml"}'], project)
+    _run(["dg", "scaffold", "defs", COMPONENT, "billing", "--config", "billing.yaml"], project)
     billing_config = source.config([{"schema": "billing"}], iceberg={"namespace": "{schema}"})
     (defs_dir / "billing" / "billing.yaml").write_text(yaml.safe_dump(billing_config.model_dump(mode="json")))
     with (defs_dir / "billing" / "defs.yaml").open("a") as defs_yaml:
