@@ -106,7 +106,7 @@ def _translated(translator: Pg2IcebergTranslator, translation: TranslationFn[Tab
         def get_asset_spec(self, table: TableConfig, role: str) -> AssetSpec:
             return translation(super().get_asset_spec(table, role), TableAsset(table, role))
 
-    return Translated(**{field.name: getattr(translator, field.name) for field in fields(translator)})
+    return Translated(**{attribute.name: getattr(translator, attribute.name) for attribute in fields(translator)})
 
 
 def _resolve_config(context: ResolutionContext, value: Any) -> str | dict[str, Any]:
