@@ -1,6 +1,8 @@
-"""Dagster assets generated from the pipeline config: one set per configured table."""
+"""The repository's code location, assets: the installed integration's
+(``pg2iceberg_dagster.dagster_integration``), and the translator that names them (one place decides
+keys, groups, kinds per table)."""
 
-from .tables import table_definitions
-from .translator import Pg2IcebergTranslator
+from pg2iceberg_dagster.dagster_integration.assets import table_check_results, table_definitions
+from pg2iceberg_dagster.dagster_integration.translator import ROLES, Pg2IcebergTranslator, TableAsset
 
-__all__ = ["Pg2IcebergTranslator", "table_definitions"]
+__all__ = ["ROLES", "Pg2IcebergTranslator", "TableAsset", "table_check_results", "table_definitions"]

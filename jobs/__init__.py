@@ -1,6 +1,6 @@
-"""Dagster jobs that are not asset materializations: the online resync and the maintenance of one table."""
+"""The repository's code location, jobs: the installed integration's online resync and maintenance of one table."""
 
-from .maintenance import MAINTENANCE_JOB, maintenance_job
-from .resync import RESYNC_JOB, resync_job
+from pg2iceberg_dagster.dagster_integration.jobs.maintenance import maintenance_job
+from pg2iceberg_dagster.dagster_integration.jobs.resync import resync_job
 
-__all__ = ["MAINTENANCE_JOB", "RESYNC_JOB", "maintenance_job", "resync_job"]
+__all__ = ["maintenance_job", "resync_job"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -490,6 +491,13 @@ class PipelineConfig(_Strict):
     def catalog_connection(self) -> PostgresConnection:
         """The Postgres database of the SQL catalog: ``iceberg.catalog.postgres`` or the source."""
         return self.iceberg.catalog.postgres or self.source
+
+    def with_selected_tables(self, selected: Iterable[tuple[str, str]]) -> PipelineConfig:
+        """This config with the tables ``(schema, table)`` its schema entries select added to ``tables``
+        (a table also named in ``tables`` keeps that entry)."""
+        named = {table.key for table in self.tables}
+        added = [table for table in (TableConfig.named(*name) for name in selected) if table.key not in named]
+        return self.model_copy(update={"tables": [*self.tables, *added]})
 
     def iceberg_identifier(self, table: TableConfig) -> tuple[str, str]:
         """(namespace, name) of the Iceberg table mirroring ``table``."""

@@ -1,7 +1,7 @@
 """The engine's one door: validate, snapshot (whole or by chunk partitions), stream, materialize,
-run, verify, check, status and lag. The CLI and the Dagster layer drive the engine through
+run, verify, check, status and lag. The CLI and the Dagster integration drive the engine through
 :class:`Pipeline` and the plain results defined or re-exported here; they import nothing else from
-the engine but ``config``, ``errors`` and ``quickstart``."""
+the engine but ``config`` and ``errors`` (and the CLI ``quickstart``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .coordination.store import CoordinationStore
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog
-from .maintenance import Maintainer, MaintenanceResult, TableHealth, measured_health, summary_health
+from .maintenance import Maintainer, MaintenanceResult, TableHealth, compaction_due, measured_health, summary_health
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
@@ -34,7 +34,7 @@ from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
 from .source.connection import KeptConnection, connect, consistent_read
 from .source.lsn import format_lsn
-from .source.selection import resolve_tables_left_out
+from .source.selection import resolve_tables, resolve_tables_left_out
 from .staging.store import ObjectStore
 from .tables import MirroredTable, MirroredTables
 from .validation import StartupReport, check_startup, slot_info
@@ -53,9 +53,12 @@ __all__ = [
     "SnapshotPlan",
     "TableCheckReport",
     "TableDiff",
+    "TableHealth",
     "TableSnapshotResult",
     "TableStatus",
     "build_spark_session",
+    "compaction_due",
+    "resolve_tables",
     "serve_metrics_once",
     "warm_spark_session",
 ]

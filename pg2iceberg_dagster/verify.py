@@ -102,7 +102,8 @@ def _lexicographic(columns: tuple[str, ...], values: tuple[int, ...], strict: ty
     if len(columns) == 1:
         return inclusive(columns[0], values[0])
     rest = _lexicographic(columns[1:], values[1:], strict, inclusive)
-    return Or(strict(columns[0], values[0]), And(EqualTo(columns[0], values[0]), rest))  # type: ignore[call-arg, misc]  # pyiceberg takes (term, literal)
+    equal: Any = EqualTo  # its __init__ takes (term, literal); the pydantic model's signature says otherwise
+    return Or(strict(columns[0], values[0]), And(equal(columns[0], values[0]), rest))
 
 
 def sliceable(source: SourceTable) -> bool:

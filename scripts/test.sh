@@ -14,4 +14,11 @@ if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: treating as failure" >&2
   exit 1
 fi
+# The suite ran on the highest Dagster of the supported range; the Dagster tests again on the lowest.
+if ! range_log="$(bash scripts/test_dagster_range.sh 2>&1)"; then
+  printf '%s\n' "$range_log" | tail -40 >&2
+  echo "the Dagster tests failed on the lowest supported Dagster (scripts/test_dagster_range.sh)" >&2
+  exit 1
+fi
+echo "lowest supported Dagster: $(printf '%s\n' "$range_log" | grep -E '[0-9]+ (passed|failed)' | tail -1)"
 exit "$status"

@@ -1,10 +1,14 @@
-"""Dagster sensors: the WAL flusher, CTID partition planning, merge and snapshot automation, resyncs, maintenance."""
+"""The repository's code location, sensors: the installed integration's WAL flusher, CTID partition
+planning, merge and snapshot automation, resyncs and maintenance."""
 
-from .automation import merge_automation_sensor, snapshot_automation_sensor
-from .flusher import flusher_sensor
-from .maintenance import maintenance_sensor
-from .resync import resync_sensor
-from .snapshot_planner import snapshot_planner_sensor
+from pg2iceberg_dagster.dagster_integration.sensors.automation import (
+    merge_automation_sensor,
+    snapshot_automation_sensor,
+)
+from pg2iceberg_dagster.dagster_integration.sensors.flusher import flusher_sensor
+from pg2iceberg_dagster.dagster_integration.sensors.maintenance import maintenance_sensor
+from pg2iceberg_dagster.dagster_integration.sensors.resync import resync_sensor
+from pg2iceberg_dagster.dagster_integration.sensors.snapshot_planner import snapshot_planner_sensor
 
 __all__ = [
     "flusher_sensor",

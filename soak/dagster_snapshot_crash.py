@@ -22,8 +22,7 @@ from typing import Any
 import psycopg
 from dagster import DagsterInstance, SensorResult, build_sensor_context
 
-from definitions import build_definitions
-from resources import Pg2IcebergResource
+from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, build_definitions
 
 from .busy import APPLICATION_NAME, TABLE, BusyTable
 from .busy_scenario import BusyTableScenario

@@ -24,11 +24,9 @@ from dagster import (
 )
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from assets.tables import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
-from definitions import build_definitions
-from jobs import RESYNC_JOB
+from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, SparkResource, build_definitions
+from pg2iceberg_dagster.dagster_integration.assets import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
 from pg2iceberg_dagster.snapshot.holder import holder_lock_key
-from resources import Pg2IcebergResource, SparkResource
 
 from .conftest import SourceDb, assert_mirrored
 
@@ -54,7 +52,7 @@ def _merge(defs: Definitions, instance: DagsterInstance, *keys: AssetKey, **kwar
 
 def _resources(config_path: str) -> dict[str, Any]:
     pg2iceberg = Pg2IcebergResource(config_path=config_path)
-    return {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
+    return {"pg2iceberg": pg2iceberg, "pg2iceberg_spark": SparkResource(pg2iceberg=pg2iceberg)}
 
 
 def _tick(defs: Definitions, name: str, instance: DagsterInstance, config_path: str) -> Any:
@@ -273,7 +271,7 @@ def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb
         ticked = _tick(defs, "pg2iceberg_resync", instance, config_path)
         assert isinstance(ticked, SensorResult)
         assert [request.partition_key for request in ticked.run_requests] == ["public.items"]
-        job = defs.resolve_job_def(RESYNC_JOB)
+        job = defs.resolve_job_def("pg2iceberg_resync")
         resynced = job.execute_in_process(instance=instance, partition_key="public.items")
         assert resynced.success
         event = instance.get_latest_materialization_event(live.key)

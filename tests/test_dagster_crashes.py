@@ -18,10 +18,9 @@ import yaml
 from dagster import AssetKey, DagsterInstance, Definitions, SensorResult, build_sensor_context
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from definitions import build_definitions
 from pg2iceberg_dagster.config import PipelineConfig
+from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, build_definitions
 from pg2iceberg_dagster.faults import CRASH_ENV
-from resources import Pg2IcebergResource
 from soak.busy import APPLICATION_NAME, BusyTable
 
 from .conftest import SourceDb, assert_mirrored

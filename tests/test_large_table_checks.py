@@ -14,9 +14,9 @@ import pytest
 from dagster import AssetCheckSeverity, AssetKey
 from psycopg import sql
 
-from assets.tables import table_check_results
 from pg2iceberg_dagster import checks as checks_module
 from pg2iceberg_dagster import verify as verify_module
+from pg2iceberg_dagster.dagster_integration.assets import table_check_results
 from pg2iceberg_dagster.errors import ConfigError
 from pg2iceberg_dagster.source.catalog import TypeResolver, describe_table
 from pg2iceberg_dagster.source.connection import connect, consistent_read

@@ -196,10 +196,8 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
     numbers Iceberg has; the next merge's check passes and the mirror equals the source."""
     from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, instance_for_test, materialize
 
-    from assets.tables import FILES_COMPACT
-    from definitions import build_definitions
-    from jobs import MAINTENANCE_JOB
-    from resources import Pg2IcebergResource, SparkResource
+    from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, SparkResource, build_definitions
+    from pg2iceberg_dagster.dagster_integration.assets import FILES_COMPACT
 
     config = _config(source, compact_at_files=3)
     pipeline = _churned(source, config, 4)
@@ -208,7 +206,7 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
     defs = build_definitions(path)
     live = defs.resolve_assets_def(AssetKey(["iceberg", f"{source.name}_public", "items"]))
     resource = Pg2IcebergResource(config_path=str(path))
-    resources = {"pg2iceberg": resource, "spark": SparkResource(pg2iceberg=resource)}
+    resources = {"pg2iceberg": resource, "pg2iceberg_spark": SparkResource(pg2iceberg=resource)}
 
     with instance_for_test() as instance:
         source.execute("UPDATE items SET note = 'x' WHERE id < 10")
@@ -223,7 +221,7 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
         (request,) = ticked.run_requests
         assert request.partition_key == "public.items"
 
-        run = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(
+        run = defs.resolve_job_def("pg2iceberg_maintenance").execute_in_process(
             partition_key=request.partition_key, instance=instance, tags=request.tags
         )
         assert run.success
@@ -255,8 +253,7 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
 def test_the_maintenance_sensor_skips_a_pipeline_that_has_not_run_yet(source: SourceDb, tmp_path: Path) -> None:
     from dagster import SkipReason, build_sensor_context, instance_for_test
 
-    from definitions import build_definitions
-    from resources import Pg2IcebergResource, SparkResource
+    from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, SparkResource, build_definitions
 
     source.execute("CREATE TABLE items (id int PRIMARY KEY, note text)")
     config = _config(source)
@@ -266,7 +263,8 @@ def test_the_maintenance_sensor_skips_a_pipeline_that_has_not_run_yet(source: So
     with (
         instance_for_test() as instance,
         build_sensor_context(
-            instance=instance, resources={"pg2iceberg": resource, "spark": SparkResource(pg2iceberg=resource)}
+            instance=instance,
+            resources={"pg2iceberg": resource, "pg2iceberg_spark": SparkResource(pg2iceberg=resource)},
         ) as context,
     ):
         ticked = build_definitions(path).resolve_sensor_def("pg2iceberg_maintenance")(context)

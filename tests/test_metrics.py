@@ -19,16 +19,15 @@ import yaml
 from dagster import build_sensor_context, instance_for_test
 from prometheus_client.parser import text_string_to_metric_families
 
-from definitions import build_definitions
 from pg2iceberg_dagster import metrics as metrics_module
 from pg2iceberg_dagster import run_loop
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
+from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, build_definitions
 from pg2iceberg_dagster.embedded import free_port
 from pg2iceberg_dagster.metrics import PipelineMetrics, serve_metrics
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.source.lsn import parse_lsn
-from resources import Pg2IcebergResource
 
 from .conftest import SourceDb, assert_mirrored, pipeline_running, running, sync
 

@@ -84,7 +84,7 @@ def test_dagster_staging_resource_supplies_s3_credentials(source: SourceDb, s3_e
     from dagster import EnvVar
     from dagster_aws.s3 import S3Resource
 
-    from resources import Pg2IcebergResource
+    from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource
 
     config = source.config(["public.orders"], staging={"url": f"s3://{BUCKET}/{source.name}-dagster"})
     path = tmp_path / "pg2iceberg.yaml"

@@ -25,16 +25,22 @@ from dagster import (
 )
 from psycopg import sql
 
-from assets import Pg2IcebergTranslator, table_definitions
-from definitions import build_definitions
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import parse_config
+from pg2iceberg_dagster.dagster_integration import (
+    Mirror,
+    Pg2IcebergResource,
+    Pg2IcebergTranslator,
+    PostgresResource,
+    SparkResource,
+    build_definitions,
+)
+from pg2iceberg_dagster.dagster_integration.assets import table_definitions
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.errors import Pg2IcebergError
 from pg2iceberg_dagster.iceberg.catalog import open_catalog, snapshot_summaries
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.staging.codec import decode
-from resources import Pg2IcebergResource, PostgresResource, SparkResource
 
 ROLE = "mirror_owner"
 ENV = "PG2ICEBERG_TEST_SOURCE_PASSWORD"
@@ -134,13 +140,13 @@ def test_source_password_appears_nowhere(
     assert cli("stream", "--until-caught-up") == 0
     source = PostgresResource(host="127.0.0.1", port=cluster.port, dbname="app", user=ROLE, password=EnvVar(ENV))
     pg2iceberg = Pg2IcebergResource(config_path=str(config_path), source=source)
-    _, assets = table_definitions(Pg2IcebergTranslator(config), pg2iceberg)
+    _, assets = table_definitions(Mirror(Pg2IcebergTranslator(config)), pg2iceberg)
     live = next(a for a in assets if AssetKey(["iceberg", "public", "accounts"]) in a.keys)
     with instance_for_test() as instance:
         result = materialize(
             [live],
             instance=instance,
-            resources={"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)},
+            resources={"pg2iceberg": pg2iceberg, "pg2iceberg_spark": SparkResource(pg2iceberg=pg2iceberg)},
         )
         assert result.success
         metadata = result.asset_materializations_for_node(live.node_def.name)[0].metadata
@@ -243,7 +249,7 @@ def test_dagster_password_reaches_the_holder_process_and_automation(
     defs = build_definitions(config_path, pg2iceberg)
     snapshot = defs.resolve_assets_def(AssetKey(["iceberg", "public", "accounts_snapshot"]))
     live = AssetKey(["iceberg", "public", "accounts"])
-    resources = {"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)}
+    resources = {"pg2iceberg": pg2iceberg, "pg2iceberg_spark": SparkResource(pg2iceberg=pg2iceberg)}
     with instance_for_test() as instance:
         with build_sensor_context(instance=instance, resources=resources) as context:
             planned = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")(context)

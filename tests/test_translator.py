@@ -13,12 +13,9 @@ import pytest
 import yaml
 from dagster import AssetKey, DagsterInvalidDefinitionError, Definitions
 
-from assets import table_definitions
-from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.config import PipelineConfig, TableConfig, parse_config
+from pg2iceberg_dagster.dagster_integration import Mirror, Pg2IcebergResource, Pg2IcebergTranslator, mirror_definitions
 from pg2iceberg_dagster.errors import ConfigError
-from resources import Pg2IcebergResource, SparkResource
-from sensors import flusher_sensor, merge_automation_sensor, snapshot_automation_sensor, snapshot_planner_sensor
 
 # What Dagster accepts as a name (asset key parts become op and asset names, groups and partitions too).
 DAGSTER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -160,22 +157,11 @@ def names(t: Pg2IcebergTranslator) -> list[str]:
 
 
 def definitions(t: Pg2IcebergTranslator, tmp_path: Path) -> Definitions:
-    """The code location ``definitions.build_definitions`` makes of ``t``'s config, checked loadable as
-    Dagster loads it (no server, no instance, no database: nothing is run)."""
+    """The code location ``build_definitions`` makes of ``t``'s config, checked loadable as Dagster
+    loads it (no server, no instance, no database: nothing is run)."""
     path = tmp_path / "pg2iceberg.yaml"
     path.write_text(yaml.safe_dump(t.config.model_dump(mode="json", exclude_none=True)))
-    pg2iceberg = Pg2IcebergResource(config_path=str(path))
-    specs, assets = table_definitions(t, pg2iceberg)
-    defs = Definitions(
-        assets=[*specs, *assets],
-        sensors=[
-            flusher_sensor(t),
-            snapshot_planner_sensor(t),
-            merge_automation_sensor(t),
-            snapshot_automation_sensor(t),
-        ],
-        resources={"pg2iceberg": pg2iceberg, "spark": SparkResource(pg2iceberg=pg2iceberg)},
-    )
+    defs = mirror_definitions(Mirror(t), Pg2IcebergResource(config_path=str(path)))
     Definitions.validate_loadable(defs)
     return defs
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from ..config import PipelineConfig, SchemaSelection, TableConfig
+from ..config import PipelineConfig, SchemaSelection
 from .catalog import PIPELINE_OWN_REASON, ROW_SECURITY_APPLIES
 from .connection import connect
 
@@ -105,10 +105,4 @@ def resolve_tables_left_out(config: PipelineConfig, warn: bool = True) -> tuple[
         found, left_out = selected_tables(conn, config.schemas)
     if left_out and warn:
         log.warning("left out: %s", "; ".join(f"{key} ({reason})" for key, reason in left_out.items()))
-    named = {table.key for table in config.tables}
-    added = [
-        TableConfig.named(schema_name, table_name)
-        for schema_name, table_name in found
-        if f"{schema_name}.{table_name}" not in named
-    ]
-    return config.model_copy(update={"tables": [*config.tables, *added]}), left_out
+    return config.with_selected_tables(found), left_out

@@ -4,23 +4,24 @@ Each pass reports an observation of the table's Iceberg asset whose numbers the 
 
 from dagster import AssetObservation, JobDefinition, MetadataValue, OpExecutionContext, op
 
-from assets.translator import Pg2IcebergTranslator
-from resources import Pg2IcebergResource, SparkResource
-
+from ..mirror import Mirror
 from .per_table import per_table_job
 
-MAINTENANCE_JOB = "pg2iceberg_maintenance"
 
+def maintenance_job(mirror: Mirror) -> JobDefinition:
+    """The mirror's maintenance job (``<name>_maintenance``): its partition names the table."""
+    tables = {table.key: table for table in mirror.tables}
 
-def maintenance_job(translator: Pg2IcebergTranslator) -> JobDefinition:
-    """The maintenance job: its partition names the table."""
-    tables = {table.key: table for table in translator.config.tables}
-
-    @op(name="maintain_table", description="compact files, expire snapshots, delete orphan and applied staged files")
-    def _maintain(context: OpExecutionContext, pg2iceberg: Pg2IcebergResource, spark: SparkResource) -> None:
+    @op(
+        name=mirror.named("maintain_table"),
+        description="compact files, expire snapshots, delete orphan and applied staged files",
+        required_resource_keys={mirror.resource_key, mirror.spark_resource_key},
+    )
+    def _maintain(context: OpExecutionContext) -> None:
         table = tables[context.partition_key]
         reason = context.run.tags.get("pg2iceberg/maintenance_reason", "requested")
-        with pg2iceberg.pipeline(spark_factory=spark.get_session) as pipeline:
+        spark_factory = mirror.spark_resource(context).get_session
+        with mirror.pipeline_resource(context).pipeline(spark_factory=spark_factory) as pipeline:
             (result,) = pipeline.maintain([table.key], reason=reason)
         if result.skipped:
             context.log.info("%s not maintained: %s", table.key, result.skipped)
@@ -29,10 +30,10 @@ def maintenance_job(translator: Pg2IcebergTranslator) -> JobDefinition:
         context.log.info("maintained %s (%s) in %.1f s", table.key, reason, result.seconds)
         context.log_event(
             AssetObservation(
-                asset_key=translator.iceberg_key(table),
+                asset_key=mirror.key(table, "iceberg"),
                 description=f"maintained: {reason}",
                 metadata={
-                    "dagster/table_name": translator.iceberg_table_name(table),
+                    "dagster/table_name": mirror.iceberg_table_name(table),
                     **{name: value for name, value in result.after.as_dict().items() if value is not None},
                     **{name: value for name, value in vars(result.rewrites).items()},
                     "orphans_removed": result.orphans_removed,
@@ -44,8 +45,8 @@ def maintenance_job(translator: Pg2IcebergTranslator) -> JobDefinition:
         )
 
     return per_table_job(
-        translator,
-        MAINTENANCE_JOB,
+        mirror,
+        "maintenance",
         "Maintain one table's Iceberg files (pick the table as the partition): compaction, "
         "snapshot expiry, orphan files, applied staged files. Merges of the table wait while it runs.",
         _maintain,

@@ -12,25 +12,27 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    sensor,
 )
 
-from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.errors import SlotBusyError
 from pg2iceberg_dagster.pipeline import serve_metrics_once
-from resources import Pg2IcebergResource
+
+from ..mirror import Mirror
+from ..resources import Pg2IcebergResource
+from .base import mirror_sensor
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
 
 
-def flusher_sensor(translator: Pg2IcebergTranslator, tick_seconds: float = TICK_SECONDS) -> SensorDefinition:
-    staged_keys = [translator.staged_log_key(t) for t in translator.config.tables]
+def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> SensorDefinition:
+    """The mirror's flusher: each tick streams for at most ``tick_seconds``."""
 
-    @sensor(
-        name="pg2iceberg_flusher",
+    @mirror_sensor(
+        mirror,
+        "flusher",
         minimum_interval_seconds=5,
         default_status=DefaultSensorStatus.RUNNING,
-        asset_selection=staged_keys,
+        asset_selection=[mirror.key(table, "staged_log") for table in mirror.tables],
         description="Streams the replication slot into the staged log in bounded ticks.",
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
@@ -44,7 +46,7 @@ def flusher_sensor(translator: Pg2IcebergTranslator, tick_seconds: float = TICK_
             return SkipReason("waiting for the snapshot to create the replication slot")
         events = [
             AssetMaterialization(
-                asset_key=translator.staged_log_key(table),
+                asset_key=mirror.key(table, "staged_log"),
                 metadata={
                     "changes_staged": tick.staged[table.key][0],
                     "log_head": tick.staged[table.key][1].log_head,
@@ -54,7 +56,7 @@ def flusher_sensor(translator: Pg2IcebergTranslator, tick_seconds: float = TICK_
                     "flushed_lsn_bytes": tick.flushed_lsn,
                 },
             )
-            for table in translator.config.tables
+            for table in mirror.tables
             if table.key in tick.staged
         ]
         context.update_cursor(tick.flushed_lsn_text)

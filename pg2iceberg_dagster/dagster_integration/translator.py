@@ -9,10 +9,26 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from dagster import AssetKey
+from dagster import AssetKey, AssetSpec
 
 from pg2iceberg_dagster.config import PipelineConfig, TableConfig
 from pg2iceberg_dagster.errors import ConfigError
+
+# The four assets of a mirrored table, upstream first: its source, its staged log, its CTID-chunk
+# snapshot and its live Iceberg table.
+ROLES = ("source", "staged_log", "snapshot", "iceberg")
+_UPSTREAM: dict[str, tuple[str, ...]] = {
+    "source": (),
+    "staged_log": ("source",),
+    "snapshot": ("source",),
+    "iceberg": ("snapshot", "staged_log"),
+}
+_KINDS: dict[str, set[str]] = {
+    "source": {"postgres"},
+    "staged_log": {"parquet"},
+    "snapshot": {"iceberg", "postgres"},
+    "iceberg": {"iceberg", "spark"},
+}
 
 # Hex digits of sha1(schema.table) a table's names carry when they would collide with another table's;
 # longer only if two such suffixes meet (a sha1 prefix shared by two names).
@@ -109,8 +125,20 @@ def _suffix_lengths(config: PipelineConfig) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class TableAsset:
+    """One of a table's four assets: what a translation (``translation:`` in ``defs.yaml``) is given,
+    as the template variables ``table`` (its ``key``, ``schema_name``, ``table_name``) and ``role``."""
+
+    table: TableConfig
+    role: str
+
+
+@dataclass(frozen=True)
 class Pg2IcebergTranslator:
-    """Subclass and override to change how tables appear in Dagster.
+    """Subclass and override to change how tables appear in Dagster: :meth:`get_asset_spec` returns
+    the whole ``AssetSpec`` of each of a table's four assets (override it, or the narrower methods it
+    is built from). The mirror's own settings (partitions, automation of the merges, pools, checks)
+    are added to what it returns; an ``automation_condition`` it sets replaces the default one.
 
     Names are the schema and table names with every character outside ``[A-Za-z0-9_]`` replaced by
     ``_``. Where that would give two tables the same asset key, op or partitions name, the tables
@@ -145,6 +173,25 @@ class Pg2IcebergTranslator:
 
     def group_name(self, table: TableConfig) -> str:
         return _safe(table.schema_name)
+
+    def get_asset_spec(self, table: TableConfig, role: str) -> AssetSpec:
+        """The spec of the table's asset ``role`` (one of :data:`ROLES`). Its deps are the specs of its
+        upstream roles, asked of this method again, so an override that renames keys keeps the graph."""
+        key = {
+            "source": self.source_key,
+            "staged_log": self.staged_log_key,
+            "snapshot": self.snapshot_key,
+            "iceberg": self.iceberg_key,
+        }[role](table)
+        metadata = {"dagster/table_name": f"{self.config.source.dbname}.{table.key}"} if role == "source" else {}
+        return AssetSpec(
+            key=key,
+            deps=[self.get_asset_spec(table, upstream).key for upstream in _UPSTREAM[role]],
+            group_name=self.group_name(table),
+            kinds=_KINDS[role],
+            description=self.description(table, role),
+            metadata=metadata,
+        )
 
     def partitions_name(self, table: TableConfig) -> str:
         """Name of the table's dynamic CTID-chunk partitions."""

@@ -8,7 +8,7 @@ from datetime import datetime
 
 from dagster import AutomationCondition, AutomationContext, AutomationResult
 
-from resources import Pg2IcebergResource
+from .resources import Pg2IcebergResource
 
 
 class TablesToMerge:

@@ -2,23 +2,23 @@
 
 from dagster import JobDefinition, OpDefinition, StaticPartitionsDefinition, job
 
-from assets.translator import Pg2IcebergTranslator
+from ..mirror import Mirror
 
 # A resync copies a whole table and a maintenance pass rewrites its files: hours for a large one.
 MAX_RUNTIME_SECONDS = 6 * 3600
 
 
-def table_partitions(translator: Pg2IcebergTranslator) -> StaticPartitionsDefinition:
+def table_partitions(mirror: Mirror) -> StaticPartitionsDefinition:
     """One partition per configured table (its ``schema.table`` key)."""
-    return StaticPartitionsDefinition([table.key for table in translator.config.tables])
+    return StaticPartitionsDefinition([table.key for table in mirror.tables])
 
 
-def per_table_job(translator: Pg2IcebergTranslator, name: str, description: str, step: OpDefinition) -> JobDefinition:
-    """The job ``name`` running ``step`` on the table its run's partition names."""
+def per_table_job(mirror: Mirror, what: str, description: str, step: OpDefinition) -> JobDefinition:
+    """The mirror's job ``what`` running ``step`` on the table its run's partition names."""
 
     @job(
-        name=name,
-        partitions_def=table_partitions(translator),
+        name=mirror.named(what),
+        partitions_def=table_partitions(mirror),
         description=description,
         tags={"dagster/max_runtime": MAX_RUNTIME_SECONDS},
     )

@@ -16,22 +16,20 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    sensor,
 )
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from assets.tables import partitions_def
-from assets.translator import Pg2IcebergTranslator
 from pg2iceberg_dagster.config import TableConfig
 from pg2iceberg_dagster.pipeline import Pipeline, SnapshotPlan
-from resources import Pg2IcebergResource
+
+from ..mirror import Mirror
+from ..resources import Pg2IcebergResource
+from .base import mirror_sensor
 
 
-def _read_again(
-    translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan, materialized: set[str]
-) -> RunRequest | None:
+def _read_again(mirror: Mirror, table: TableConfig, plan: SnapshotPlan, materialized: set[str]) -> RunRequest | None:
     """One ranged run for the chunks Dagster shows ``materialized`` that the table must read again."""
-    key = translator.snapshot_key(table)
+    key = mirror.key(table, "snapshot")
     redo = [chunk for chunk in plan.chunks if not chunk.done and chunk.partition_key in materialized]
     if not redo:
         return None
@@ -46,7 +44,7 @@ def _read_again(
 
 
 def _done_elsewhere(
-    translator: Pg2IcebergTranslator, table: TableConfig, plan: SnapshotPlan, materialized: set[str]
+    mirror: Mirror, table: TableConfig, plan: SnapshotPlan, materialized: set[str]
 ) -> list[AssetMaterialization]:
     """The chunks of the table's current epoch that are done but that Dagster does not show
     materialized (read by the CLI, by ``run``, or by a run that has not reported yet), as
@@ -55,7 +53,7 @@ def _done_elsewhere(
     them for the partitions added after), so no automation tick sees them missing in between."""
     return [
         AssetMaterialization(
-            asset_key=translator.snapshot_key(table),
+            asset_key=mirror.key(table, "snapshot"),
             partition=chunk.partition_key,
             description="read by another process of the pipeline",
             metadata={"snapshot_epoch": chunk.epoch if chunk.epoch is not None else -1},
@@ -67,7 +65,7 @@ def _done_elsewhere(
 
 def _live_table_complete(
     context: SensorEvaluationContext,
-    translator: Pg2IcebergTranslator,
+    mirror: Mirror,
     table: TableConfig,
     plan: SnapshotPlan,
     materialized: set[str],
@@ -77,7 +75,7 @@ def _live_table_complete(
     when no change has come since (then no merge ever runs to say so). Not before Dagster shows every
     chunk partition ``materialized`` (a snapshot completed by the CLI is), or the live table would
     read as older than its snapshot ("Unsynced")."""
-    live = translator.iceberg_key(table)
+    live = mirror.key(table, "iceberg")
     if not plan.complete or any(chunk.partition_key not in materialized for chunk in plan.chunks):
         return None
     if context.instance.get_latest_materialization_event(live) is not None:
@@ -88,7 +86,7 @@ def _live_table_complete(
         asset_key=live,
         description="the initial snapshot is complete",
         metadata={
-            "dagster/table_name": translator.iceberg_table_name(table),
+            "dagster/table_name": mirror.iceberg_table_name(table),
             "dagster/row_count": summary.row_count,
             "snapshot_epoch": plan.epoch if plan.epoch is not None else -1,
             "mat_cursor": lag.mat_cursor,
@@ -99,16 +97,19 @@ def _live_table_complete(
     )
 
 
-def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinition:
-    @sensor(
-        name="pg2iceberg_snapshot_planner",
+def snapshot_planner_sensor(mirror: Mirror) -> SensorDefinition:
+    """The mirror's planner of CTID-chunk partitions."""
+
+    @mirror_sensor(
+        mirror,
+        "snapshot_planner",
         minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.RUNNING,
         description="Stores each table's CTID chunk plan once and exposes it as snapshot partitions; "
         "reruns chunks whose table started over under a new exported snapshot; reports the live table "
         "once its snapshot is complete; stops mirroring tables removed from the config (their chunk "
         "partitions, state and staged files go; their Iceberg tables stay).",
-        asset_selection=AssetSelection.assets(*[translator.snapshot_key(t) for t in translator.config.tables]),
+        asset_selection=AssetSelection.assets(*[mirror.key(table, "snapshot") for table in mirror.tables]),
     )
     def _planner(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         requests: list[AddDynamicPartitionsRequest | DeleteDynamicPartitionsRequest] = []
@@ -116,26 +117,26 @@ def snapshot_planner_sensor(translator: Pg2IcebergTranslator) -> SensorDefinitio
         with pg2iceberg.pipeline() as pipeline:
             # Tables gone from the config: stop mirroring them, and their chunk partitions go too.
             for removed in pipeline.forget_removed_tables():
-                name = translator.partitions_name(removed)
+                name = mirror.partitions_name(removed)
                 if stale := context.instance.get_dynamic_partitions(name):
                     requests.append(DeleteDynamicPartitionsRequest(partitions_def_name=name, partition_keys=stale))
             configured = {table.key for table in pipeline.config.tables}
-            for table in translator.config.tables:
+            for table in mirror.tables:
                 if table.key not in configured:
                     continue  # removed from the file, still in this graph until the code location reloads
                 plan = pipeline.snapshot_plan(table.key)
-                partitions = partitions_def(translator, table)
+                partitions = mirror.partitions_def(table)
                 known = set(partitions.get_partition_keys(dynamic_partitions_store=context.instance))
                 new = [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known]
                 if new:
                     requests.append(partitions.build_add_request(new))
-                materialized = context.instance.get_materialized_partitions(translator.snapshot_key(table))
-                if run := _read_again(translator, table, plan, materialized):
+                materialized = context.instance.get_materialized_partitions(mirror.key(table, "snapshot"))
+                if run := _read_again(mirror, table, plan, materialized):
                     runs.append(run)
-                reported = _done_elsewhere(translator, table, plan, materialized)
+                reported = _done_elsewhere(mirror, table, plan, materialized)
                 events += reported
                 materialized = materialized | {event.partition for event in reported if event.partition}
-                if event := _live_table_complete(context, translator, table, plan, materialized, pipeline):
+                if event := _live_table_complete(context, mirror, table, plan, materialized, pipeline):
                     events.append(event)
         if not requests and not runs and not events:
             return SkipReason("every table's chunk partitions are registered")

@@ -5,26 +5,26 @@ import json
 
 from dagster import (
     DefaultSensorStatus,
+    JobDefinition,
     RunRequest,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    sensor,
 )
 
-from assets.translator import Pg2IcebergTranslator
-from jobs import MAINTENANCE_JOB
-from resources import Pg2IcebergResource
-
-from .runs import run_in_flight
+from ..mirror import Mirror
+from ..resources import Pg2IcebergResource
+from .base import mirror_sensor, run_in_flight
 
 
-def maintenance_sensor(translator: Pg2IcebergTranslator, job) -> SensorDefinition:  # type: ignore[no-untyped-def]
-    enabled = translator.config.maintenance.enabled
+def maintenance_sensor(mirror: Mirror, job: JobDefinition) -> SensorDefinition:
+    """Launches ``job`` (the mirror's maintenance job) for each table that is due."""
+    enabled = mirror.config.maintenance.enabled
 
-    @sensor(
-        name="pg2iceberg_maintenance",
+    @mirror_sensor(
+        mirror,
+        "maintenance",
         job=job,
         minimum_interval_seconds=60,
         default_status=DefaultSensorStatus.RUNNING if enabled else DefaultSensorStatus.STOPPED,
@@ -41,7 +41,7 @@ def maintenance_sensor(translator: Pg2IcebergTranslator, job) -> SensorDefinitio
         runs = [
             RunRequest(partition_key=key, tags={"pg2iceberg/maintenance_reason": reason[:200]})
             for key, reason in due.items()
-            if not run_in_flight(context, MAINTENANCE_JOB, key)
+            if not run_in_flight(context, job.name, key)
         ]
         if not runs:
             return SkipReason("no table is due for maintenance" if not due else "its maintenance is running")

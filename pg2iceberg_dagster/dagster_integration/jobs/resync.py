@@ -4,31 +4,31 @@ The copy reports a materialization of the table's live Iceberg asset (its rows w
 
 from dagster import AssetMaterialization, JobDefinition, MetadataValue, OpExecutionContext, op
 
-from assets.translator import Pg2IcebergTranslator
-from resources import Pg2IcebergResource
-
+from ..mirror import Mirror
 from .per_table import per_table_job
 
-RESYNC_JOB = "pg2iceberg_resync"
 
+def resync_job(mirror: Mirror) -> JobDefinition:
+    """The mirror's resync job (``<name>_resync``): its partition names the table."""
+    tables = {table.key: table for table in mirror.tables}
 
-def resync_job(translator: Pg2IcebergTranslator) -> JobDefinition:
-    """The resync job: its partition names the table."""
-    tables = {table.key: table for table in translator.config.tables}
-
-    @op(name="resync_table", description="copy the table again under a new snapshot, switch it in one commit")
-    def _resync(context: OpExecutionContext, pg2iceberg: Pg2IcebergResource) -> None:
+    @op(
+        name=mirror.named("resync_table"),
+        description="copy the table again under a new snapshot, switch it in one commit",
+        required_resource_keys={mirror.resource_key},
+    )
+    def _resync(context: OpExecutionContext) -> None:
         table = tables[context.partition_key]
-        with pg2iceberg.pipeline() as pipeline:
+        with mirror.pipeline_resource(context).pipeline() as pipeline:
             result = pipeline.resync(table.key)
             summary = pipeline.iceberg_summary(table.key)
         context.log.info("resynced %s: %s rows in %s chunks", table.key, result.rows, result.chunks)
         context.log_event(
             AssetMaterialization(
-                asset_key=translator.iceberg_key(table),
+                asset_key=mirror.key(table, "iceberg"),
                 description=f"resynced online: {result.reason}",
                 metadata={
-                    "dagster/table_name": translator.iceberg_table_name(table),
+                    "dagster/table_name": mirror.iceberg_table_name(table),
                     "dagster/row_count": summary.row_count,
                     "resync_reason": result.reason,
                     "rows_copied": result.rows,
@@ -42,8 +42,8 @@ def resync_job(translator: Pg2IcebergTranslator) -> JobDefinition:
         )
 
     return per_table_job(
-        translator,
-        RESYNC_JOB,
+        mirror,
+        "resync",
         "Resync one table online (pick the table as the partition): the others keep streaming "
         "and merging, readers see the old table until one Iceberg commit switches it.",
         _resync,

@@ -15,33 +15,32 @@ from dagster import (
     AssetsDefinition,
     AssetSpec,
     BackfillPolicy,
-    DynamicPartitionsDefinition,
     Failure,
     MaterializeResult,
     MetadataValue,
     TableColumn,
     TableSchema,
-    asset,
     multi_asset,
 )
 
 from pg2iceberg_dagster.config import MaintenanceConfig, TableConfig
-from pg2iceberg_dagster.maintenance import TableHealth, compaction_due
-from pg2iceberg_dagster.pipeline import IcebergTableSummary, MergeResult, Pipeline, TableCheckReport
-from resources import Pg2IcebergResource, SparkResource
+from pg2iceberg_dagster.pipeline import (
+    IcebergTableSummary,
+    MergeResult,
+    Pipeline,
+    TableCheckReport,
+    TableHealth,
+    compaction_due,
+)
 
 from .automation import TablesToMerge, merge_condition, snapshot_condition
-from .translator import Pg2IcebergTranslator
+from .mirror import Mirror
+from .resources import Pg2IcebergResource
 
 PK_UNIQUE = "primary_key_unique"
 MATCHES_SOURCE = "matches_source"
 SCHEMA_MATCHES = "schema_matches_source"
 FILES_COMPACT = "files_compact"
-
-
-def partitions_def(translator: Pg2IcebergTranslator, table: TableConfig) -> DynamicPartitionsDefinition:
-    """CTID chunk partitions of a table; keys are added by the planning sensor from the stored plan."""
-    return DynamicPartitionsDefinition(name=translator.partitions_name(table))
 
 
 def _table_schema(summary: IcebergTableSummary) -> TableSchema:
@@ -53,41 +52,22 @@ def _table_schema(summary: IcebergTableSummary) -> TableSchema:
     )
 
 
-def source_spec(translator: Pg2IcebergTranslator, table: TableConfig) -> AssetSpec:
-    return AssetSpec(
-        key=translator.source_key(table),
-        group_name=translator.group_name(table),
-        kinds={"postgres"},
-        description=translator.description(table, "source"),
-        metadata={"dagster/table_name": f"{translator.config.source.dbname}.{table.key}"},
-    )
+def snapshot_asset(mirror: Mirror, table: TableConfig) -> AssetsDefinition:
+    """The table's snapshot, one partition per CTID chunk; a run of a range of chunks reads them under
+    one exported snapshot."""
+    spec = mirror.spec(table, "snapshot")
+    spec = spec.replace_attributes(automation_condition=spec.automation_condition or snapshot_condition())
 
-
-def staged_log_spec(translator: Pg2IcebergTranslator, table: TableConfig) -> AssetSpec:
-    return AssetSpec(
-        key=translator.staged_log_key(table),
-        deps=[translator.source_key(table)],
-        group_name=translator.group_name(table),
-        kinds={"parquet"},
-        description=translator.description(table, "staged_log"),
-    )
-
-
-def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig) -> AssetsDefinition:
-    @asset(
-        name=translator.snapshot_key(table).path[-1],
-        key_prefix=translator.snapshot_key(table).path[:-1],
-        deps=[translator.source_key(table)],
-        partitions_def=partitions_def(translator, table),
+    @multi_asset(
+        name=spec.key.to_python_identifier(),
+        specs=[spec],
+        partitions_def=mirror.partitions_def(table),
         backfill_policy=BackfillPolicy.single_run(),
-        automation_condition=snapshot_condition(),
-        group_name=translator.group_name(table),
-        kinds={"iceberg", "postgres"},
-        description=translator.description(table, "snapshot"),
-        pool="pg2iceberg_snapshot",
+        pool=mirror.named("snapshot"),
+        required_resource_keys={mirror.resource_key},
     )
-    def _snapshot(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource) -> MaterializeResult:
-        with pg2iceberg.pipeline() as pipeline:
+    def _snapshot(context: AssetExecutionContext) -> MaterializeResult:
+        with mirror.pipeline_resource(context).pipeline() as pipeline:
             result = pipeline.snapshot_chunks(table.key, context.partition_keys)
             return MaterializeResult(
                 metadata={
@@ -97,7 +77,7 @@ def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig) -> Asse
                     "snapshot_epoch": result.epoch if result.epoch is not None else -1,
                     "table_restarted": result.restarted,
                     "table_snapshot_complete": result.complete,
-                    "dagster/table_name": translator.iceberg_table_name(table),
+                    "dagster/table_name": mirror.iceberg_table_name(table),
                 }
             )
 
@@ -105,10 +85,10 @@ def snapshot_asset(translator: Pg2IcebergTranslator, table: TableConfig) -> Asse
 
 
 def _merge_metadata(
-    translator: Pg2IcebergTranslator, table: TableConfig, result: MergeResult, summary: IcebergTableSummary
+    mirror: Mirror, table: TableConfig, result: MergeResult, summary: IcebergTableSummary
 ) -> dict[str, Any]:
     return {
-        "dagster/table_name": translator.iceberg_table_name(table),
+        "dagster/table_name": mirror.iceberg_table_name(table),
         "dagster/column_schema": _table_schema(summary),
         "dagster/row_count": summary.row_count,
         "changes_applied": result.changes,
@@ -204,14 +184,10 @@ def files_check_result(health: TableHealth, settings: MaintenanceConfig, key: An
     )
 
 
-def _live_spec(translator: Pg2IcebergTranslator, table: TableConfig, ready: TablesToMerge) -> AssetSpec:
-    return AssetSpec(
-        key=translator.iceberg_key(table),
-        deps=[translator.snapshot_key(table), translator.staged_log_key(table)],
-        group_name=translator.group_name(table),
-        kinds={"iceberg", "spark"},
-        description=translator.description(table, "iceberg"),
-        automation_condition=merge_condition(ready, table.key),
+def _live_spec(mirror: Mirror, table: TableConfig, ready: TablesToMerge) -> AssetSpec:
+    spec = mirror.spec(table, "iceberg")
+    return spec.replace_attributes(
+        automation_condition=spec.automation_condition or merge_condition(ready, table.key),
         # A run merges the tables it selected; one that fails does not hold back the others.
         skippable=True,
     )
@@ -227,11 +203,11 @@ def _live_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
 
 
 def _report_merge(
-    translator: Pg2IcebergTranslator, pipeline: Pipeline, table: TableConfig, result: MergeResult, log: Any
+    mirror: Mirror, pipeline: Pipeline, table: TableConfig, result: MergeResult, log: Any
 ) -> Iterator[MaterializeResult | AssetCheckResult]:
     """Report one table's merge: its materialization and its files check (the data checks follow
     once every selected table has merged, see :meth:`Pipeline.check_tables`)."""
-    key = translator.iceberg_key(table)
+    key = mirror.key(table, "iceberg")
     if result.waiting_for_snapshot:
         raise Failure(f"{table.key}: the snapshot is not complete yet; materialize its chunk partitions first")
     log.info("merged %s changes of %s; lag %s", result.changes, table.key, result.lag.changes)
@@ -239,28 +215,28 @@ def _report_merge(
         log.warning("%s waits for an online resync: %s", table.key, result.resync_reason)
     summary = pipeline.iceberg_summary(table.key)
     health = pipeline.file_health(table.key)
-    metadata = _merge_metadata(translator, table, result, summary)
+    metadata = _merge_metadata(mirror, table, result, summary)
     # Plotted per merge: how files and snapshots grow between maintenance passes.
     metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
     yield MaterializeResult(asset_key=key, metadata=metadata)
     yield files_check_result(health, pipeline.config.maintenance, key)
 
 
-def live_tables_asset(translator: Pg2IcebergTranslator, ready: TablesToMerge) -> AssetsDefinition:
+def live_tables_asset(mirror: Mirror, ready: TablesToMerge) -> AssetsDefinition:
     """Every live Iceberg table in one multi-asset that can subset: the lagging tables requested in one
     automation tick merge in one run on one Spark session (one JVM start for them all, not one per
     table), several at once (``materialize.parallelism``); each is reported as its merge ends."""
-    tables = translator.config.tables
-    keys = {translator.iceberg_key(table): table for table in tables}
+    keys = {mirror.key(table, "iceberg"): table for table in mirror.tables}
 
     @multi_asset(
-        name="pg2iceberg_merge",
-        specs=[_live_spec(translator, table, ready) for table in tables],
+        name=mirror.named("merge"),
+        specs=[_live_spec(mirror, table, ready) for table in mirror.tables],
         check_specs=[spec for key in keys for spec in _live_check_specs(key)],
         can_subset=True,
-        pool="pg2iceberg_merge",
+        pool=mirror.named("merge"),
+        required_resource_keys={mirror.resource_key, mirror.spark_resource_key},
     )
-    def _merge(context: AssetExecutionContext, pg2iceberg: Pg2IcebergResource, spark: SparkResource) -> Iterator[Any]:
+    def _merge(context: AssetExecutionContext) -> Iterator[Any]:
         selected = [table for key, table in keys.items() if key in context.selected_asset_keys]
         checks = context.selected_asset_check_keys
         failed: list[str] = []
@@ -268,27 +244,28 @@ def live_tables_asset(translator: Pg2IcebergTranslator, ready: TablesToMerge) ->
         # first, cold merge in this run's new JVM. With several tables the next run takes that up
         # instead: a second MERGE per table would double the run (about 0.5 s each, even warm).
         rounds = 2 if len(selected) == 1 else 1
-        with pg2iceberg.pipeline(spark_factory=spark.get_session) as pipeline:
+        spark_factory = mirror.spark_resource(context).get_session
+        with mirror.pipeline_resource(context).pipeline(spark_factory=spark_factory) as pipeline:
             by_key = {table.key: table for table in selected}
             merged: list[str] = []
             for table_key, outcome in pipeline.merge_tables(list(by_key), rounds):
                 try:
                     if isinstance(outcome, Exception):
                         raise outcome
-                    for event in _report_merge(translator, pipeline, by_key[table_key], outcome, context.log):
+                    for event in _report_merge(mirror, pipeline, by_key[table_key], outcome, context.log):
                         if isinstance(event, MaterializeResult) or _check_key(event) in checks:
                             yield event
                     merged.append(table_key)
                 except Exception as exc:  # reported below; the other tables still merge
                     context.log.exception("merge of %s failed", table_key)
                     failed.append(f"{table_key}: {exc}")
-            data_checks = [key for key in merged if _data_checks_selected(translator.iceberg_key(by_key[key]), checks)]
+            data_checks = [key for key in merged if _data_checks_selected(mirror.key(by_key[key], "iceberg"), checks)]
             for table_key, report in pipeline.check_tables(data_checks):
                 if isinstance(report, Exception):
                     context.log.error("checks of %s failed: %s", table_key, report)
                     failed.append(f"{table_key}: checks: {report}")
                     continue
-                for event in table_check_results(report, translator.iceberg_key(by_key[table_key])):
+                for event in table_check_results(report, mirror.key(by_key[table_key], "iceberg")):
                     if _check_key(event) in checks:
                         yield event
         if failed:
@@ -307,16 +284,12 @@ def _check_key(result: AssetCheckResult) -> AssetCheckKey:
     return AssetCheckKey(result.asset_key, result.check_name)
 
 
-def table_definitions(
-    translator: Pg2IcebergTranslator, pg2iceberg: Pg2IcebergResource
-) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
+def table_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
     """External specs and assets for every configured table: per table its source, staged log and
-    snapshot; the live tables together in one multi-asset."""
-    specs: list[AssetSpec] = []
-    assets: list[AssetsDefinition] = []
-    for table in translator.config.tables:
-        specs += [source_spec(translator, table), staged_log_spec(translator, table)]
-        assets.append(snapshot_asset(translator, table))
-    if translator.config.tables:
-        assets.append(live_tables_asset(translator, TablesToMerge(pg2iceberg)))
+    snapshot; the live tables together in one multi-asset, whose merge automation reads the lag
+    through ``pg2iceberg``."""
+    specs = [mirror.spec(table, role) for table in mirror.tables for role in ("source", "staged_log")]
+    assets = [snapshot_asset(mirror, table) for table in mirror.tables]
+    if mirror.tables:
+        assets.append(live_tables_asset(mirror, TablesToMerge(pg2iceberg)))
     return specs, assets

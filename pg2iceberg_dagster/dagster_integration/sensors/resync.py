@@ -3,23 +3,25 @@ per table at a time)."""
 
 from dagster import (
     DefaultSensorStatus,
+    JobDefinition,
     RunRequest,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    sensor,
 )
 
-from jobs import RESYNC_JOB
-from resources import Pg2IcebergResource
+from ..mirror import Mirror
+from ..resources import Pg2IcebergResource
+from .base import mirror_sensor, run_in_flight
 
-from .runs import run_in_flight
 
+def resync_sensor(mirror: Mirror, job: JobDefinition) -> SensorDefinition:
+    """Launches ``job`` (the mirror's resync job) for each table waiting for a resync."""
 
-def resync_sensor(job) -> SensorDefinition:  # type: ignore[no-untyped-def]  # dagster's JobDefinition
-    @sensor(
-        name="pg2iceberg_resync",
+    @mirror_sensor(
+        mirror,
+        "resync",
         job=job,
         minimum_interval_seconds=15,
         default_status=DefaultSensorStatus.RUNNING,
@@ -31,7 +33,7 @@ def resync_sensor(job) -> SensorDefinition:  # type: ignore[no-untyped-def]  # d
             pending = pipeline.resyncs_pending()
         runs = []
         for table_key, reason in pending.items():
-            if not run_in_flight(context, RESYNC_JOB, table_key):
+            if not run_in_flight(context, job.name, table_key):
                 context.log.info("resync %s: %s", table_key, reason)
                 runs.append(RunRequest(partition_key=table_key, tags={"pg2iceberg/resync_reason": reason[:200]}))
         if not runs:
