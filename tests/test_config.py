@@ -333,11 +333,11 @@ def test_a_schema_entry_selects_a_schema() -> None:
     assert "schemas.0.includes" in config_error(config_with(tables=[{"schema": "billing", "includes": ["a*"]}]))
 
 
-def test_the_readme_configuration_is_the_example_file_and_loads() -> None:
-    """The README shows ``examples/pg2iceberg.yaml``: what a user copies must be what CI loads."""
+def test_the_documented_configuration_is_the_example_file_and_loads() -> None:
+    """docs/configuration.md shows ``examples/pg2iceberg.yaml``: what a user copies must be what CI loads."""
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Configuration", 1)[1]
+    page = (root / "docs" / "configuration.md").read_text(encoding="utf-8")
+    section = page.split("# Configuration", 1)[1]
     block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
     example = (root / "examples" / "pg2iceberg.yaml").read_text(encoding="utf-8")
     assert example.split("\n", 1)[1] == block  # after the example's header comment
