@@ -44,6 +44,11 @@ class ResyncRequiredError(SchemaChangeError):
         self.reason = reason
 
 
+class SnapshotGoneError(Pg2IcebergError):
+    """An exported snapshot can no longer be imported: the session that exported it ended (its holder
+    stopped). Reading under it again is impossible; a new snapshot must be taken."""
+
+
 class UnsupportedTypeError(Pg2IcebergError):
     """A column type has no faithful Iceberg representation."""
 

@@ -66,8 +66,6 @@ __all__ = [
 log = logging.getLogger("pg2iceberg_dagster")
 
 
-
-
 @dataclass(frozen=True)
 class TableStatus:
     table: str
@@ -193,9 +191,7 @@ class Pipeline:
         return self.snapshot_runner().run(on_chunk=on_chunk, on_plan=on_plan)
 
     def snapshot_runner(self) -> SnapshotRunner:
-        return SnapshotRunner(
-            self.config, self.tables, self.store, self.validate(), self.catalog, self.detached_holder
-        )
+        return SnapshotRunner(self.config, self.tables, self.store, self.validate(), self.catalog, self.detached_holder)
 
     def snapshot_plan(self, table_key: str) -> SnapshotPlan:
         """The table's chunk plan (planned and stored on first call) and its snapshot epoch."""

@@ -45,6 +45,8 @@ _TRUNCATE_PAYLOAD = 5
 _INSERT, _UPDATE, _DELETE, _TRUNCATE = ord("I"), ord("U"), ord("D"), ord("T")
 _NEW, _KEY, _OLD = ord("N"), ord("K"), ord("O")
 _NULL, _TOAST, _TEXT = ord("n"), ord("u"), ord("t")
+
+
 @dataclass(frozen=True)
 class RelationInfo:
     """A configured table as the stream describes it now: its staged relation and tuple positions."""

@@ -38,6 +38,7 @@ def column_name(schema: Schema, field_id: int) -> str:
         raise KeyError(f"field id {field_id} is not in the schema")
     return name
 
+
 COLUMN_ATTNUMS = "pg2iceberg.column-attnums"
 PENDING_FILLS = "pg2iceberg.pending-fills"
 # The source table's relfilenode as the snapshot (or resync) the rows were read in saw it. Only a

@@ -31,7 +31,7 @@ from ..config import PipelineConfig, PostgresConnection
 from ..coordination.records import AdvertisedSnapshot
 from ..coordination.store import CoordinationStore, snapshot_holder_lock
 from ..detached import detached_error, spawn_with_config
-from ..errors import Pg2IcebergError, StartupCheckError
+from ..errors import Pg2IcebergError, SnapshotGoneError, StartupCheckError
 from ..source.catalog import published_keys_seen_by
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
@@ -91,7 +91,7 @@ def snapshot_importable(target: PostgresConnection, snapshot_name: str) -> bool:
         try:
             exported_snapshot_text(conn, snapshot_name)
             return True
-        except psycopg.errors.InvalidParameterValue:  # "invalid snapshot identifier": its exporter is gone
+        except SnapshotGoneError:
             return False
 
 

@@ -24,7 +24,7 @@ from pyiceberg.table import Table
 from ..config import PipelineConfig
 from ..coordination.records import AdvertisedSnapshot, Chunk
 from ..coordination.store import CoordinationStore
-from ..errors import Pg2IcebergError, StartupCheckError
+from ..errors import Pg2IcebergError, SnapshotGoneError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import ensure_table
 from ..iceberg.commit import commit_with_retry
@@ -49,7 +49,6 @@ from .holder import (
     HolderThread,
     holder_error,
     holder_lock_key,
-    snapshot_importable,
     spawn_holder,
     wait_for_advertised_snapshot,
     working_on_snapshot,
@@ -286,14 +285,30 @@ class SnapshotRunner:
             results[table.key].complete = self.complete_if_done(table.key)
         return results
 
-    def _live_advertised_snapshot(self, timeout: float = 30.0) -> AdvertisedSnapshot | None:
-        """The advertised snapshot if it can still be imported. A holder killed a moment ago may still
-        look alive (its sessions end when the server notices): wait for that, then report none."""
+    def _usable_advertised_snapshot(
+        self, tables: Sequence[SourceTable], timeout: float = 30.0
+    ) -> AdvertisedSnapshot | None:
+        """The advertised snapshot if ``tables`` can be read under it: it is still importable and saw
+        each of them in the publication. Both are learnt by importing it once, so a holder letting go
+        in between cannot surprise a later import. A holder killed a moment ago may still look alive
+        (its sessions end when the server notices): that is waited for, as is the holder of a snapshot
+        older than a table added since; then there is none."""
         advertised = self.store.exported_snapshot(holder_lock_key(self.config))
-        if advertised is None or snapshot_importable(self.config.source, advertised.name):
-            return advertised
-        self._holder_gone_within(timeout)
-        return None
+        if advertised is None:
+            return None
+        publication = self.config.replication.publication
+        try:
+            covered = published_keys_seen_by(self.config.source, advertised.name, publication, tables)
+        except SnapshotGoneError:
+            self._holder_gone_within(timeout)
+            return None
+        # A table not in the publication as that snapshot sees it was added since: its changes between
+        # that snapshot and joining the publication never stream, so it cannot start from it.
+        added = [table.key for table in tables if table.key not in covered]
+        if added:
+            self._wait_for_holder_to_let_go(advertised, added)
+            return None
+        return advertised
 
     def _holder_gone_within(self, timeout: float, poll: float = 0.1) -> bool:
         """Wait up to ``timeout`` seconds for no holder to be alive; whether none is."""
@@ -303,13 +318,6 @@ class SnapshotRunner:
                 return False
             time.sleep(poll)
         return True
-
-    def _too_old_for(self, advertised: AdvertisedSnapshot, tables: Sequence[SourceTable]) -> list[str]:
-        """The ``tables`` not yet in the publication as ``advertised`` sees it (added to the config
-        since): their changes between that snapshot and joining the publication never stream."""
-        publication = self.config.replication.publication
-        covered = published_keys_seen_by(self.config.source, advertised.name, publication, tables)
-        return [table.key for table in tables if table.key not in covered]
 
     def _wait_for_holder_to_let_go(self, advertised: AdvertisedSnapshot, added: list[str]) -> None:
         """Wait for the holder of a snapshot older than ``added`` tables to let go (it does once the
@@ -330,11 +338,7 @@ class SnapshotRunner:
         process with ``detached_holder``, else a thread that stops on leaving) and its snapshot is awaited.
         """
         with working_on_snapshot(self.config):
-            advertised = self._live_advertised_snapshot()
-            added = self._too_old_for(advertised, tables) if advertised is not None else []
-            if advertised is not None and added:
-                self._wait_for_holder_to_let_go(advertised, added)
-                advertised = None
+            advertised = self._usable_advertised_snapshot(tables)
             if advertised is not None:
                 yield advertised
                 return

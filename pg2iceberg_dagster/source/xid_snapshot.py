@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
 
+from ..errors import SnapshotGoneError
 from .connection import consistent_read
 
 _WRAP = 1 << 32
@@ -53,9 +54,15 @@ class XidSnapshot:
 
 @contextmanager
 def imported_snapshot(conn: psycopg.Connection, snapshot_name: str) -> Iterator[None]:
-    """A read-only transaction on ``conn`` (not in one yet) that sees exactly the exported snapshot."""
+    """A read-only transaction on ``conn`` (not in one yet) that sees exactly the exported snapshot;
+    :class:`SnapshotGoneError` when its exporter has ended."""
     with consistent_read(conn):
-        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
+        try:
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
+        except psycopg.errors.InvalidParameterValue:  # "invalid snapshot identifier"
+            raise SnapshotGoneError(
+                f"the exported snapshot {snapshot_name} is gone (its holder stopped); run again to read under a new one"
+            ) from None
         yield
 
 
