@@ -50,13 +50,19 @@ def collect_table_garbage(store: CoordinationStore, objects: ObjectStore, table:
         objects.delete(path)
         deleted += 1
     registered = {entry.path for entry in store.log_entries(key, -1)}
-    deleted += _delete_unregistered(objects, table.staging, registered, flushed)
-    if store.on_legacy_staging(key):
-        legacy = legacy_table_location(key)
-        if legacy is not None:
-            deleted += _delete_unregistered(objects, legacy, registered, flushed)
+    on_legacy = store.on_legacy_staging(key)
+    for folder in _staging_folders(table, on_legacy):
+        deleted += _delete_unregistered(objects, folder, registered, flushed)
+    if on_legacy:
         store.record_legacy_staging_swept(key)
     return deleted
+
+
+def _staging_folders(table: MirroredTable, on_legacy: bool) -> list[str]:
+    """The folders the table's staged files may be in: its own, and the first layout's folder until
+    that was swept once (``on_legacy``; a legacy name that is not a safe folder is left alone)."""
+    legacy = legacy_table_location(table.key) if on_legacy else None
+    return [table.staging] if legacy is None else [table.staging, legacy]
 
 
 def _delete_unregistered(objects: ObjectStore, folder: str, registered: set[str], flushed: int) -> int:
@@ -77,7 +83,7 @@ def reset_table(
     """Forget a table (state, staged log, cursor) and drop its Iceberg table (unless not
     ``drop_iceberg``); the next snapshot redoes it."""
     table_key = table.key
-    legacy = legacy_table_location(table_key) if store.on_legacy_staging(table_key) else None
+    folders = _staging_folders(table, store.on_legacy_staging(table_key))
     with store.conn.transaction():
         paths = store.delete_log_entries_before(table_key, 2**62)
         for statement in (
@@ -89,9 +95,8 @@ def reset_table(
     for path in paths:
         objects.delete(path)
     flushed = store.flushed_lsn() or 0
-    for folder in (table.staging, legacy):
-        if folder is not None:
-            _delete_unregistered(objects, folder, set(), flushed)
+    for folder in folders:
+        _delete_unregistered(objects, folder, set(), flushed)
     if drop_iceberg:
         with contextlib.suppress(NoSuchTableError):
             catalog.drop_table(table.iceberg)
