@@ -14,7 +14,7 @@ from .coordination.store import CoordinationStore
 from .maintenance import Maintainer, MaintenanceResult
 from .materializer.merge import MergeResult
 from .metrics import PipelineMetrics
-from .pipeline import Pipeline
+from .pipeline import Pipeline, TableRepairResult
 
 log = logging.getLogger("pg2iceberg_dagster")
 
@@ -44,6 +44,7 @@ def run(
     table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
     background, in a new snapshot epoch, while the others stream and merge.
     """
+    pipeline.repair_at_startup(on_table=_log_repair)  # a lost slot (replication.on_slot_lost: repair)
     report = pipeline.validate()  # adds tables new to the config to an owned publication, before streaming
     states = pipeline.store.table_states()
     if not any(states[key].snapshot_complete for key in report.tables if key in states):
@@ -227,3 +228,15 @@ def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: floa
         if remaining <= 0:
             return
         wake.wait(min(remaining, 0.2))  # short slices: ``stop`` is set by a signal handler, not by us
+
+
+def _log_repair(result: TableRepairResult) -> None:
+    log.warning(
+        "repaired %s: %d rows compared, %d written (%d upserted, %d deleted) in %.1f s",
+        result.table,
+        result.rows_compared,
+        result.rows_written,
+        result.upserted,
+        result.deleted,
+        result.seconds,
+    )
