@@ -19,7 +19,7 @@ from pyiceberg.exceptions import NoSuchTableError
 from .checks import ContentCheck, TableChecker, TableCheckReport
 from .cleanup import CleanupResult, collect_garbage, remove_tables
 from .config import PipelineConfig, TableConfig
-from .coordination.records import Chunk, Lag
+from .coordination.records import Chunk, Lag, resync_command
 from .coordination.store import CoordinationStore
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
@@ -422,7 +422,7 @@ class Pipeline:
                 if table_keys is not None and key not in table_keys:
                     continue
                 if key in resyncs:
-                    waits = f"it waits for an online resync ({resyncs[key]}): `pg2iceberg-dagster resync --table {key}`"
+                    waits = f"it waits for an online resync ({resyncs[key]}): {resync_command(key, resyncs[key])}"
                     diffs.append(TableDiff(key, not_compared=waits))
                     continue
                 try:

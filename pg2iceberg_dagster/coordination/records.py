@@ -26,6 +26,13 @@ def is_repair(reason: str | None) -> bool:
     return reason is not None and reason.startswith(REPAIR_PREFIX)
 
 
+def resync_command(table_key: str, reason: str | None) -> str:
+    """The command that carries out the table's pending resync: ``repair`` for a repair."""
+    if is_repair(reason):
+        return "`pg2iceberg-dagster repair`"
+    return f"`pg2iceberg-dagster resync --table {table_key}`"
+
+
 @dataclass(frozen=True)
 class TableState:
     table_name: str
