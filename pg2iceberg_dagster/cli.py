@@ -172,7 +172,7 @@ def cmd_repair(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 def _print_repair(result: TableRepairResult) -> None:
     if result.resumed:
-        print(f"{result.table}: its repair was written before an interruption (epoch {result.epoch}); recorded now")
+        print(f"{result.table}: already repaired (before an interruption, or by another process; epoch {result.epoch})")
         return
     print(
         f"{result.table}: {result.rows_compared} rows compared ({result.pg_rows} in PostgreSQL, {result.iceberg_rows} "

@@ -76,7 +76,8 @@ class TableRepairResult:
     deleted: int = 0  # Iceberg keys deleted (only in Iceberg, or different)
     snapshot_id: int | None = None  # the repair's commit (None: nothing differed, nothing committed)
     seconds: float = 0.0
-    # Its commit had landed before an interruption: only recorded as finished now (nothing compared).
+    # Its commit had landed before an interruption (only recorded as finished now), or another process
+    # repaired it meanwhile: nothing compared here.
     resumed: bool = False
 
     @property
@@ -196,11 +197,27 @@ def repair_table(
 ) -> TableRepairResult:
     """Steps 2 to 4 for one table whose repair is requested, under ``snapshot`` (an exported snapshot
     taken after the request)."""
+    # One repair of a table at a time (a `repair --table` next to `run` finishing the same one): the
+    # second finds it done.
+    with store.table_snapshot_lock(source.key):
+        return _repair_table(config, tables, store, catalog, source, snapshot)
+
+
+def _repair_table(
+    config: PipelineConfig,
+    tables: MirroredTables,
+    store: CoordinationStore,
+    catalog: Catalog,
+    source: SourceTable,
+    snapshot: AdvertisedSnapshot,
+) -> TableRepairResult:
     started = time.monotonic()
     key = source.key
     identifier = tables[key].iceberg
     state = store.table_state(key)
-    assert state is not None and state.resync_reason is not None, f"{key}: repair not requested"
+    assert state is not None, f"{key}: not mirrored"
+    if state.resync_reason is None:
+        return TableRepairResult(key, epoch=state.snapshot_epoch, resumed=True)  # another process finished it
     table = catalog.load_table(identifier)
     if state.resync_epoch is not None and _repaired_in(table, state.resync_epoch):
         store.finish_resync(key, state.resync_epoch)  # written just before a crash

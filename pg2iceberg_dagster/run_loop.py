@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from .config import PipelineConfig
+from .coordination.records import is_repair
 from .coordination.store import CoordinationStore
 from .maintenance import Maintainer, MaintenanceResult
 from .materializer.merge import MergeResult
@@ -135,7 +136,7 @@ class _Progress:
 
 
 class _CopyWorker:
-    """``run``'s copies of tables: the snapshot of tables added to the config, and resyncs. One at a
+    """``run``'s copies of tables: the snapshot of tables added to the config, resyncs and repairs. One at a
     time, in a thread with its own connections, while the flusher streams and the other tables merge.
     A failed copy is logged and tried again after a pause."""
 
@@ -166,6 +167,9 @@ class _CopyWorker:
                 if job == self.SNAPSHOT:
                     results = pipeline.snapshot()
                     log.warning("snapshotted %s", ", ".join(f"{k} ({r.rows} rows)" for k, r in results.items()))
+                elif is_repair(reason):  # interrupted, or requested by `repair --table` while run runs
+                    for repaired in pipeline.repair([job]).tables:
+                        _log_repair(repaired)
                 else:
                     log.warning("resyncing %s online: %s", job, reason)
                     result = pipeline.resync(job)
@@ -231,6 +235,9 @@ def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: floa
 
 
 def _log_repair(result: TableRepairResult) -> None:
+    if result.resumed:
+        log.warning("repair of %s was already written (epoch %s)", result.table, result.epoch)
+        return
     log.warning(
         "repaired %s: %d rows compared, %d written (%d upserted, %d deleted) in %.1f s",
         result.table,

@@ -319,3 +319,47 @@ def test_slot_created_but_not_recorded_by_a_killed_repair_is_replaced(source: So
     source.execute("DELETE FROM public.t WHERE id = 10")
     sync(rerun)
     assert_mirrored(rerun)
+
+
+def test_run_carries_out_a_repair_requested_while_it_runs(source: SourceDb, caplog: pytest.LogCaptureFixture) -> None:
+    """A repair requested of a table (as `repair --table` does) while `run` runs, or left by a killed
+    repair: run's background copies repair it, not resync it whole, and merging goes on after."""
+    _table(source.conninfo, rows=3000)
+    config = source.config([KEY])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    _iceberg(pipeline).delete(LessThanOrEqual("id", 30))
+    pipeline.store.request_resync(KEY, REQUESTED_REASON)
+    running_pipeline = source.pipeline(config)
+    with caplog.at_level(logging.WARNING, logger="pg2iceberg_dagster"), pipeline_running(running_pipeline) as errors:
+        source.execute("UPDATE public.t SET v = 'while run runs' WHERE id BETWEEN 20 AND 40")
+        _wait(lambda: bool(errors) or _mirrored(pipeline), "the repair and the merges after it")
+    assert not errors, errors
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("repaired public.t") for m in messages), messages
+    assert not any(m.startswith("resyncing") for m in messages)
+    sync(pipeline)
+    assert_mirrored(pipeline)
+
+
+def test_stream_repairs_a_lost_slot_at_startup(
+    source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stream` under the default policy replaces a dropped slot and repairs before it streams."""
+    _table(source.conninfo, rows=1000)
+    config = source.config([KEY])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    _drop_slot(source, config)
+    source.execute("DELETE FROM public.t WHERE id <= 3")
+    path = _write_config(tmp_path / "p.yaml", config)
+    capsys.readouterr()
+    assert main(["-c", str(path), "stream", "--until-caught-up"]) == 0
+    out = capsys.readouterr().out
+    assert "public.t: 1997 rows compared" in out and "3 written (0 upserted, 3 deleted) in one commit" in out, out
+    assert re.search(r"replication slot \S+ is gone but the pipeline created it: replaced by a new one", out), out
+    source.execute("INSERT INTO public.t VALUES (1, 'back', 1)")
+    sync(pipeline)
+    assert_mirrored(pipeline)
