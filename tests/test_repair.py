@@ -363,3 +363,42 @@ def test_stream_repairs_a_lost_slot_at_startup(
     source.execute("INSERT INTO public.t VALUES (1, 'back', 1)")
     sync(pipeline)
     assert_mirrored(pipeline)
+
+
+def test_repair_keeps_a_partitioned_sorted_table(source: SourceDb) -> None:
+    """The repair's files take the table's partition spec (day and bucket here), and the table keeps
+    its spec, sort order and identifier fields; a row moved to another day lands in that day."""
+    events = {
+        "name": "public.events",
+        "partition_by": ["day(created_at)", "bucket(4, id)"],
+        "sort_by": ["created_at desc"],
+    }
+    source.execute("CREATE TABLE public.events (id int PRIMARY KEY, created_at timestamptz, name text)")
+    source.execute(
+        "INSERT INTO public.events SELECT g, timestamptz '2024-01-01 00:00+00' + (g % 5) * interval '1 day', "
+        "'n' || g FROM generate_series(1, 400) g"
+    )
+    config = source.config([events])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    before = _iceberg(pipeline, "public.events")
+    pipeline.close()
+    _drop_slot(source, config)
+    source.execute("UPDATE public.events SET created_at = created_at + interval '10 days' WHERE id <= 5")
+    source.execute("DELETE FROM public.events WHERE id BETWEEN 6 AND 8")
+    rerun = source.pipeline(config)
+    [result] = rerun.repair().tables
+    assert (result.upserted, result.deleted) == (5, 8)
+    after = _iceberg(rerun, "public.events")
+    assert (after.spec(), after.sort_order(), after.schema().identifier_field_ids) == (
+        before.spec(),
+        before.sort_order(),
+        before.schema().identifier_field_ids,
+    )
+    files = after.inspect.files().select(["spec_id", "partition", "record_count"]).to_pylist()
+    assert all(f["spec_id"] == after.spec().spec_id and f["partition"]["created_at_day"] for f in files), files
+    moved = after.scan(row_filter=LessThanOrEqual("id", 5)).to_arrow()
+    assert moved.num_rows == 5
+    sync(rerun)
+    assert_mirrored(rerun)
