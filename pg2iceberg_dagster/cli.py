@@ -165,6 +165,8 @@ def cmd_repair(pipeline: Pipeline, args: argparse.Namespace) -> int:
     keys = [pipeline.tables.named(name).key for name in args.table or []] or None
     result = pipeline.repair(keys, on_table=_print_repair)
     _print_repair_summary(pipeline, result)
+    if keys and result.slot_lost:
+        print("--table was not followed: with the slot lost, every mirrored table was repaired")
     if not result.tables and not result.slot_lost:
         print("the slot is healthy and no repair is pending; name a table with --table")
     return 0

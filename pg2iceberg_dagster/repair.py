@@ -110,8 +110,9 @@ def repair(
     table_keys: Sequence[str] | None = None,
     on_table: Callable[[TableRepairResult], None] | None = None,
 ) -> RepairResult:
-    """Repair the lost slot (when ``report.slot_lost``: every mirrored table), else the tables named by
-    ``table_keys``, else those whose repair a crash interrupted. See the module docstring."""
+    """Repair the lost slot (when ``report.slot_lost``: every mirrored table, whatever ``table_keys``,
+    since none received the lost changes), else the tables named by ``table_keys``, else those whose
+    repair a crash interrupted. See the module docstring."""
     result = RepairResult(slot_lost=report.slot_lost)
     states = store.table_states()
     group = config.materialize.group
