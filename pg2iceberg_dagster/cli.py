@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .config import TableConfig, load_config
 from .errors import NOT_CURRENT_EXIT_CODE, ConfigError, Pg2IcebergError
 from .lifecycle import run_following_config
-from .pipeline import Pipeline
+from .pipeline import Pipeline, RepairResult, TableRepairResult
 from .source.lsn import format_lsn
 from .verify import print_diffs
 
@@ -88,6 +88,9 @@ def cmd_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def cmd_stream(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    repaired = pipeline.repair_at_startup(on_table=_print_repair)  # a lost slot (replication.on_slot_lost)
+    if repaired is not None:
+        _print_repair_summary(pipeline, repaired)
     stop = _stop_on_signals()
     bar = _progress(None, "change", "stream")
     last = [0]
@@ -156,6 +159,42 @@ def cmd_run(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
     run_following_config(args.config, _stop_on_signals(), metrics_port=args.metrics_port, on_progress=progress)
     return 0
+
+
+def cmd_repair(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    keys = [pipeline.tables.named(name).key for name in args.table or []] or None
+    result = pipeline.repair(keys, on_table=_print_repair)
+    _print_repair_summary(pipeline, result)
+    if keys and result.slot_lost:
+        print("--table was not followed: with the slot lost, every mirrored table was repaired")
+    if not result.tables and not result.slot_lost:
+        print("the slot is healthy and no repair is pending; name a table with --table")
+    return 0
+
+
+def _print_repair(result: TableRepairResult) -> None:
+    if result.resumed:
+        print(f"{result.table}: already repaired (before an interruption, or by another process; epoch {result.epoch})")
+        return
+    print(
+        f"{result.table}: {result.rows_compared} rows compared ({result.pg_rows} in PostgreSQL, {result.iceberg_rows} "
+        f"in Iceberg), {result.rows_written} written ({result.upserted} upserted, {result.deleted} deleted) "
+        f"in {'one commit' if result.snapshot_id else 'no commit'} (epoch {result.epoch}, {result.seconds:.1f} s)",
+        flush=True,
+    )
+
+
+def _print_repair_summary(pipeline: Pipeline, result: RepairResult) -> None:
+    if result.slot_lost:
+        at = format_lsn(result.consistent_point) if result.consistent_point else "?"
+        slot = pipeline.config.replication.slot
+        print(f"replication slot {slot} {result.slot_lost}: replaced by a new one, streaming resumes at {at}")
+    if result.tables:
+        compared = sum(t.rows_compared for t in result.tables)
+        written = sum(t.rows_written for t in result.tables)
+        print(f"repaired {len(result.tables)} tables: {compared} rows compared, {written} rows written")
+    for key, reason in result.left_to_resync.items():
+        print(f"{key}: left to its online resync ({reason}): `pg2iceberg-dagster resync --table {key}`")
 
 
 def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
@@ -307,6 +346,10 @@ COMMANDS = {
     "stream": (cmd_stream, "run the WAL flusher into the staged log"),
     "materialize": (cmd_materialize, "merge the staged log into Iceberg with Spark"),
     "run": (cmd_run, "snapshot, then stream and materialize in one process until interrupted"),
+    "repair": (
+        cmd_repair,
+        "after a lost slot (or for tables verify found different): compare with the source, write only the differences",
+    ),
     "resync": (cmd_resync, "copy tables again online (those named, or those a merge found need it)"),
     "maintain": (cmd_maintain, "compact files, expire snapshots, delete orphan and applied staged files"),
     "verify": (cmd_verify, "compare PostgreSQL and Iceberg row by row (exit 5 on differences)"),
@@ -375,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--stop", action="store_true", help="stop the running one")
         if name == "resync":
             command.add_argument("--table", action="append", help="resync this table (repeatable)")
+        if name == "repair":
+            command.add_argument(
+                "--table", action="append", help="repair this table even with a healthy slot (repeatable)"
+            )
         if name == "maintain":
             command.add_argument("--table", action="append", help="only this table (repeatable)")
             command.add_argument(

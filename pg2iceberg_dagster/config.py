@@ -186,6 +186,10 @@ class ReplicationConfig(_Strict):
     publication: str = Field("pg2iceberg_pub", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
     create_publication: bool = True
     status_interval_seconds: float = Field(10.0, gt=0)
+    # The slot is gone or lost WAL (same cluster): ``repair`` lets ``run`` and ``stream`` create a new
+    # slot and write into each Iceberg table only its differences from the source (see repair.py);
+    # ``refuse`` stops them, naming ``pg2iceberg-dagster repair`` as the way back.
+    on_slot_lost: Literal["repair", "refuse"] = "repair"
 
 
 class S3Config(_Strict):

@@ -25,6 +25,11 @@ class StartupCheckError(Pg2IcebergError):
     exit_code = 3
 
 
+class SlotLostError(StartupCheckError):
+    """The pipeline's replication slot is gone or lost WAL it needs: changes since are lost to the
+    mirror until a repair (``pg2iceberg-dagster repair``) compares every table with the source."""
+
+
 class SchemaChangeError(Pg2IcebergError):
     """A source schema change whose effect on existing rows no WAL change carries."""
 

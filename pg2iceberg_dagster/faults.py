@@ -26,6 +26,10 @@ CRASH_POINTS: dict[str, str] = {
     "materializer.after_commit": "the MERGE is committed to Iceberg but mat_cursor is not advanced",
     "resync.before_switch": "a resync's copy is written but not switched in",
     "resync.after_switch": "a resync is switched in Iceberg but not recorded as finished",
+    "repair.after_slot_dropped": "a lost slot's repair marked the tables and dropped the slot, no new slot yet",
+    "repair.after_slot_created": "a lost slot's repair created the new slot but repaired no table yet",
+    "repair.before_commit": "a table's differences are gathered but not written to Iceberg",
+    "repair.after_commit": "a table's differences are written to Iceberg but the repair is not recorded as done",
     "maintenance.after_compaction": "a table's files are compacted but its snapshots not expired",
     "maintenance.after_expiry": "a table's snapshots are expired but its orphan files not removed",
 }

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from pyiceberg.exceptions import NoSuchTableError
 from .checks import ContentCheck, TableChecker, TableCheckReport
 from .cleanup import CleanupResult, collect_garbage, remove_tables
 from .config import PipelineConfig, TableConfig
-from .coordination.records import Chunk, Lag
+from .coordination.records import Chunk, Lag, resync_command
 from .coordination.store import CoordinationStore
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
@@ -29,6 +29,7 @@ from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
 from .metrics import PipelineMetrics, serve_metrics_once
+from .repair import RepairResult, TableRepairResult, repair, repairs_pending
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
@@ -49,11 +50,13 @@ __all__ = [
     "MergeResult",
     "Pipeline",
     "PipelineMetrics",
+    "RepairResult",
     "ResyncResult",
     "SnapshotPlan",
     "TableCheckReport",
     "TableDiff",
     "TableHealth",
+    "TableRepairResult",
     "TableSnapshotResult",
     "TableStatus",
     "build_spark_session",
@@ -311,6 +314,35 @@ class Pipeline:
             self.config, self.tables[table_key], self.store, self.catalog, source, worker, reason, on_chunk
         )
 
+    def repair(
+        self, table_keys: list[str] | None = None, on_table: Callable[[TableRepairResult], None] | None = None
+    ) -> RepairResult:
+        """Bring Iceberg back to the source by writing only the differences (see repair.py): every table
+        under a new slot when the slot is lost, else the tables named (any table, e.g. one ``verify``
+        found different), else those whose repair was interrupted."""
+        report = check_startup(self.config, self.store, slot_lost_ok=True)
+        for key in table_keys or []:
+            if key not in report.tables:
+                raise ConfigError(f"{key} is not a configured table")
+        worker = f"repair:{os.getpid()}"
+        result = repair(self.config, self.tables, self.store, self.catalog, report, worker, table_keys, on_table)
+        self._report = None  # the slot may be new: the next entry point checks again
+        return result
+
+    def repair_at_startup(self, on_table: Callable[[TableRepairResult], None] | None = None) -> RepairResult | None:
+        """What ``run`` and ``stream`` do first under ``replication.on_slot_lost: repair``: repair a lost
+        slot, or finish a repair a crash interrupted; None when there was nothing to repair (or the
+        policy is ``refuse``: then the startup checks refuse a lost slot, naming ``repair``)."""
+        if self.config.replication.on_slot_lost != "repair":
+            return None
+        report = check_startup(self.config, self.store, slot_lost_ok=True)
+        if report.slot_lost is None and not repairs_pending(self.store):
+            self._report = report
+            return None
+        if report.slot_lost:
+            log.warning("replication slot %s %s: repairing", self.config.replication.slot, report.slot_lost)
+        return self.repair(on_table=on_table)
+
     def resyncs_pending(self) -> dict[str, str]:
         """Tables waiting for an online resync, with the reason."""
         self.store.migrate()
@@ -390,7 +422,7 @@ class Pipeline:
                 if table_keys is not None and key not in table_keys:
                     continue
                 if key in resyncs:
-                    waits = f"it waits for an online resync ({resyncs[key]}): `pg2iceberg-dagster resync --table {key}`"
+                    waits = f"it waits for an online resync ({resyncs[key]}): {resync_command(key, resyncs[key])}"
                     diffs.append(TableDiff(key, not_compared=waits))
                     continue
                 try:

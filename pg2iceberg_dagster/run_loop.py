@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable
 
 from .config import PipelineConfig
+from .coordination.records import is_repair
 from .coordination.store import CoordinationStore
 from .maintenance import Maintainer, MaintenanceResult
 from .materializer.merge import MergeResult
 from .metrics import PipelineMetrics
-from .pipeline import Pipeline
+from .pipeline import Pipeline, TableRepairResult
 
 log = logging.getLogger("pg2iceberg_dagster")
 
@@ -44,6 +45,7 @@ def run(
     table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
     background, in a new snapshot epoch, while the others stream and merge.
     """
+    pipeline.repair_at_startup(on_table=_log_repair)  # a lost slot (replication.on_slot_lost: repair)
     report = pipeline.validate()  # adds tables new to the config to an owned publication, before streaming
     states = pipeline.store.table_states()
     if not any(states[key].snapshot_complete for key in report.tables if key in states):
@@ -134,7 +136,7 @@ class _Progress:
 
 
 class _CopyWorker:
-    """``run``'s copies of tables: the snapshot of tables added to the config, and resyncs. One at a
+    """``run``'s copies of tables: the snapshot of tables added to the config, resyncs and repairs. One at a
     time, in a thread with its own connections, while the flusher streams and the other tables merge.
     A failed copy is logged and tried again after a pause."""
 
@@ -165,6 +167,9 @@ class _CopyWorker:
                 if job == self.SNAPSHOT:
                     results = pipeline.snapshot()
                     log.warning("snapshotted %s", ", ".join(f"{k} ({r.rows} rows)" for k, r in results.items()))
+                elif is_repair(reason):  # interrupted, or requested by `repair --table` while run runs
+                    for repaired in pipeline.repair([job]).tables:
+                        _log_repair(repaired)
                 else:
                     log.warning("resyncing %s online: %s", job, reason)
                     result = pipeline.resync(job)
@@ -227,3 +232,18 @@ def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: floa
         if remaining <= 0:
             return
         wake.wait(min(remaining, 0.2))  # short slices: ``stop`` is set by a signal handler, not by us
+
+
+def _log_repair(result: TableRepairResult) -> None:
+    if result.resumed:
+        log.warning("repair of %s was already written (epoch %s)", result.table, result.epoch)
+        return
+    log.warning(
+        "repaired %s: %d rows compared, %d written (%d upserted, %d deleted) in %.1f s",
+        result.table,
+        result.rows_compared,
+        result.rows_written,
+        result.upserted,
+        result.deleted,
+        result.seconds,
+    )

@@ -10,9 +10,9 @@ import psycopg
 from psycopg import sql
 
 from .config import PipelineConfig, TableConfig
-from .coordination.records import PipelineMeta, TableState
+from .coordination.records import SLOT_LOST_REASON, PipelineMeta, TableState
 from .coordination.store import CoordinationStore
-from .errors import StartupCheckError, UnsupportedTypeError
+from .errors import SlotLostError, StartupCheckError, UnsupportedTypeError
 from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
@@ -40,6 +40,9 @@ class StartupReport:
     system_identifier: str
     tables: dict[str, SourceTable]
     slot: SlotInfo | None
+    # Why the pipeline's slot cannot be resumed (gone, or lost WAL), when the checks were asked to let
+    # that through for a repair; None when it can.
+    slot_lost: str | None = None
 
     @property
     def ctid_chunking(self) -> bool:
@@ -174,8 +177,12 @@ def ensure_publication(
         )
 
 
-def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupReport:
-    """Run every startup check; raise StartupCheckError on the first breach (naming every refused table)."""
+def check_startup(config: PipelineConfig, store: CoordinationStore, slot_lost_ok: bool = False) -> StartupReport:
+    """Run every startup check; raise StartupCheckError on the first breach (naming every refused table).
+
+    A slot the pipeline created that is gone or lost WAL raises :class:`SlotLostError`, unless
+    ``slot_lost_ok`` (a repair is about to replace it): then the report says why in ``slot_lost``.
+    """
     with connect(config.source) as conn:
         version = server_version(conn)
         # Before the replication connection: a role without REPLICATION gets the check's advice, not
@@ -195,17 +202,52 @@ def check_startup(config: PipelineConfig, store: CoordinationStore) -> StartupRe
 
     _check_slot_name(meta, config)
     slot_recorded = _wait_for_slot_record(config, store, meta, slot)
-    if slot is None and slot_recorded:
-        raise StartupCheckError(
-            f"replication slot {config.replication.slot} is gone but the pipeline created it; changes since "
-            "then are lost: run `pg2iceberg-dagster cleanup --all` and snapshot again"
-        )
+    lost = _slot_lost(slot, slot_recorded) or _slot_half_replaced(store, states, slot)
+    if lost and not slot_lost_ok:
+        raise SlotLostError(slot_lost_advice(config, lost))
     if not slot_recorded:
         _check_no_chunks_without_slot(store, states)
-    if slot is not None:
+    if slot is not None and not lost:
         _check_slot(config, store, slot, slot_recorded, database)
     store.stamp_pipeline(system_identifier, config.replication.slot, config.replication.publication)
-    return StartupReport(server_version=version, system_identifier=system_identifier, tables=tables, slot=slot)
+    return StartupReport(
+        server_version=version, system_identifier=system_identifier, tables=tables, slot=slot, slot_lost=lost
+    )
+
+
+def _slot_lost(slot: SlotInfo | None, slot_recorded: bool) -> str | None:
+    """Why the slot the pipeline created cannot be resumed: gone, or its WAL removed; else None."""
+    if slot is None and slot_recorded:
+        return "is gone but the pipeline created it"
+    if slot is not None and slot_recorded and slot.wal_status == "lost":
+        return "has lost required WAL (wal_status = lost)"
+    return None
+
+
+def _slot_half_replaced(store: CoordinationStore, states: dict[str, TableState], slot: SlotInfo | None) -> str | None:
+    """A repair of a lost slot died between creating the new slot and recording it: the slot exists,
+    ahead of the recorded ``flushed_lsn``, while tables wait for that repair. It is replaced again."""
+    if slot is None or slot.confirmed_flush_lsn is None or slot.active_pid is not None:
+        return None
+    if not any(state.resync_reason == SLOT_LOST_REASON for state in states.values()):
+        return None
+    flushed = store.flushed_lsn()
+    if flushed is not None and slot.confirmed_flush_lsn > flushed:
+        return "was being replaced by a repair that stopped before recording it"
+    return None
+
+
+def slot_lost_advice(config: PipelineConfig, lost: str) -> str:
+    """The refusal for a lost slot: what happened and the command that repairs it."""
+    if config.replication.on_slot_lost == "repair":
+        how = "`run` and `stream` repair it on their own (replication.on_slot_lost: repair), or run it now"
+    else:
+        how = "replication.on_slot_lost is refuse, so `run` and `stream` do not do it on their own"
+    return (
+        f"replication slot {config.replication.slot} {lost}: changes made since the pipeline last read it are lost to "
+        f"the mirror. Run `pg2iceberg-dagster repair`: it creates a new slot and writes into each Iceberg table only "
+        f"its differences from the source ({how}); or `pg2iceberg-dagster cleanup --all --yes` and snapshot again"
+    )
 
 
 def _check_same_cluster(meta: PipelineMeta | None, system_identifier: str) -> None:
@@ -335,11 +377,6 @@ def _check_slot(
         raise StartupCheckError(
             f"replication slot {config.replication.slot} uses plugin {slot.plugin} on database {slot.database}; "
             f"expected pgoutput on {database}"
-        )
-    if slot.wal_status == "lost":
-        raise StartupCheckError(
-            f"replication slot {config.replication.slot} has lost required WAL (wal_status = lost); "
-            "run `pg2iceberg-dagster cleanup --all` and snapshot again"
         )
     flushed = store.flushed_lsn()
     if flushed is not None and slot.confirmed_flush_lsn is not None and slot.confirmed_flush_lsn > flushed:

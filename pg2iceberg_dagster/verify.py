@@ -231,9 +231,11 @@ def _row_values(batch: pa.RecordBatch, with_nan: list[bool], positions: list[int
     return zip(*by_column, strict=True)
 
 
-def _rows_by_key(rows: pa.Table, positions: list[int]) -> tuple[dict[tuple, tuple], int]:
-    """The rows by their key (the values at ``positions``), and how many keys repeat."""
+def _rows_by_key(rows: pa.Table, positions: list[int]) -> tuple[dict[tuple, tuple], set[tuple], int]:
+    """The rows by their key (the values at ``positions``), the keys that repeat, and how many times
+    keys repeat."""
     by_key: dict[tuple, tuple] = {}
+    repeated: set[tuple] = set()
     duplicates = 0
     with_nan = _normalizers(rows.schema)
     for batch in rows.to_batches(max_chunksize=65_536):
@@ -241,16 +243,51 @@ def _rows_by_key(rows: pa.Table, positions: list[int]) -> tuple[dict[tuple, tupl
             k = tuple(values[position] for position in positions)
             if k in by_key:
                 duplicates += 1
+                repeated.add(k)
             by_key[k] = values
-    return by_key, duplicates
+    return by_key, repeated, duplicates
+
+
+@dataclass
+class RowDifferences:
+    """What makes Iceberg equal to the source, gathered by :func:`compare_table` bucket by bucket (so
+    its size is that of the drift, not of the table): ``upserts`` are source rows (of keys only in the
+    source, different, or repeated in Iceberg), ``delete_keys`` the keys whose Iceberg rows must go
+    (only in Iceberg, different, or repeated; an upserted key is deleted first, then appended)."""
+
+    upserts: list[pa.Table] = field(default_factory=list)
+    delete_keys: list[tuple] = field(default_factory=list)
+
+    @property
+    def upserted(self) -> int:
+        return sum(rows.num_rows for rows in self.upserts)
+
+    def add(self, pg_rows: pa.Table, positions: list[int], upsert: set[tuple], delete: set[tuple]) -> None:
+        """Keep the rows of ``pg_rows`` whose key is in ``upsert``, and the keys of ``delete``."""
+        self.delete_keys.extend(delete)
+        if not upsert:
+            return
+        with_nan = _normalizers(pg_rows.schema)
+        wanted = [
+            key in upsert
+            for batch in pg_rows.to_batches(max_chunksize=65_536)
+            for key in _row_values(batch, with_nan, positions)
+        ]
+        self.upserts.append(pg_rows.filter(pa.array(wanted, pa.bool_())))
 
 
 def _add_differences(
-    diff: TableDiff, pg_rows: pa.Table, iceberg_rows: pa.Table, positions: list[int], examples: int
+    diff: TableDiff,
+    pg_rows: pa.Table,
+    iceberg_rows: pa.Table,
+    positions: list[int],
+    examples: int,
+    differences: RowDifferences | None = None,
 ) -> None:
-    """Count into ``diff`` the differences between these rows (all the rows of some keys on both sides)."""
-    pg, _ = _rows_by_key(pg_rows, positions)
-    ice, duplicates = _rows_by_key(iceberg_rows, positions)
+    """Count into ``diff`` the differences between these rows (all the rows of some keys on both sides),
+    and gather them into ``differences`` when given."""
+    pg, _, _ = _rows_by_key(pg_rows, positions)
+    ice, repeated, duplicates = _rows_by_key(iceberg_rows, positions)
     diff.pg_rows += pg_rows.num_rows
     diff.iceberg_rows += iceberg_rows.num_rows
     diff.duplicate_keys += duplicates
@@ -259,6 +296,14 @@ def _add_differences(
         "only_in_iceberg": [k for k in ice if k not in pg],
         "different": [k for k in pg if k in ice and pg[k] != ice[k]],
     }
+    if differences is not None:
+        rewritten = set(found["different"]) | repeated
+        differences.add(
+            pg_rows,
+            positions,
+            upsert=set(found["only_in_pg"]) | (rewritten & pg.keys()),
+            delete=set(found["only_in_iceberg"]) | rewritten,
+        )
     diff.only_in_pg += len(found["only_in_pg"])
     diff.only_in_iceberg += len(found["only_in_iceberg"])
     diff.different += len(found["different"])
@@ -316,11 +361,14 @@ def compare_table(
     rule: OutOfRange,
     examples: int = 5,
     key_slice: KeySlice | None = None,
+    differences: RowDifferences | None = None,
 ) -> TableDiff:
     """Compare a table (or the rows of ``key_slice``) read on ``conn`` (the caller's REPEATABLE READ
     transaction) with Iceberg, after ``rule`` mapped the source's values Iceberg cannot hold. A table
     of more than :data:`BUCKET_ROWS` rows (on either side, as its statistics say) is compared a hash
-    bucket of keys at a time, both sides spilled to local files first.
+    bucket of keys at a time, both sides spilled to local files first. With ``differences``, the rows
+    that differ are gathered there as well (the source's rows as typed for Iceberg, see
+    :class:`RowDifferences`), for a repair to write.
 
     A source column Iceberg does not have yet counts as NULL there: logical replication carries no
     DDL, so a column added in the source reaches Iceberg with the first change to the table after
@@ -350,7 +398,7 @@ def compare_table(
         pg_rows = copy_rows(conn, source, schema, rule, key_slice).select(columns)
         iceberg_rows = scan.to_arrow()
         iceberg_rows = as_compared(iceberg_rows) if iceberg_rows.num_rows else pg_rows.slice(0, 0)
-        _add_differences(diff, pg_rows, iceberg_rows, positions, examples)
+        _add_differences(diff, pg_rows, iceberg_rows, positions, examples, differences)
         return diff
     compared = pa.schema([schema.field(name) for name in columns])
     with tempfile.TemporaryDirectory(prefix="pg2iceberg-verify-") as directory:
@@ -363,7 +411,7 @@ def compare_table(
             for batch in scan.to_arrow_batch_reader():
                 iceberg_side.add(as_compared(batch))
         for bucket in range(buckets):
-            _add_differences(diff, pg_side.read(bucket), iceberg_side.read(bucket), positions, examples)
+            _add_differences(diff, pg_side.read(bucket), iceberg_side.read(bucket), positions, examples, differences)
     return diff
 
 

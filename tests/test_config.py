@@ -343,3 +343,10 @@ def test_the_documented_configuration_is_the_example_file_and_loads() -> None:
     assert example.split("\n", 1)[1] == block  # after the example's header comment
     config = load_config(root / "examples" / "pg2iceberg.yaml")
     assert config.checks.compare_max_rows == 200_000
+
+
+def test_on_slot_lost_policy() -> None:
+    """replication.on_slot_lost: repair by default, refuse when asked, anything else named as the bad field."""
+    assert parse_config(MINIMAL).replication.on_slot_lost == "repair"
+    assert parse_config(config_with(replication={"on_slot_lost": "refuse"})).replication.on_slot_lost == "refuse"
+    assert "replication.on_slot_lost" in config_error(config_with(replication={"on_slot_lost": "resnapshot"}))

@@ -15,6 +15,24 @@ class PipelineMeta:
     consistent_point: int | None
 
 
+# The resync reason of a table waiting for a repair (compare and write the differences, see repair.py)
+# rather than a full copy; and the one a lost slot's repair marks every table with.
+REPAIR_PREFIX = "repair: "
+SLOT_LOST_REASON = REPAIR_PREFIX + "the replication slot was lost"
+
+
+def is_repair(reason: str | None) -> bool:
+    """Whether a table's pending resync is a repair."""
+    return reason is not None and reason.startswith(REPAIR_PREFIX)
+
+
+def resync_command(table_key: str, reason: str | None) -> str:
+    """The command that carries out the table's pending resync: ``repair`` for a repair."""
+    if is_repair(reason):
+        return "`pg2iceberg-dagster repair`"
+    return f"`pg2iceberg-dagster resync --table {table_key}`"
+
+
 @dataclass(frozen=True)
 class TableState:
     table_name: str

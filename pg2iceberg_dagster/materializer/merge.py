@@ -28,7 +28,7 @@ from pyiceberg.table import Table
 
 from ..config import PipelineConfig, TableConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_lease_within
-from ..coordination.records import Lag, LogEntry, SnapshotEpoch
+from ..coordination.records import Lag, LogEntry, SnapshotEpoch, is_repair, resync_command
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
 from ..iceberg.commit import commit_with_retry
@@ -107,6 +107,8 @@ class MergeResult:
         if self.waiting_for_snapshot:
             return "waiting for its snapshot to complete: `snapshot` (or `run`) takes it"
         if self.resync_reason:
+            if is_repair(self.resync_reason):
+                return f"waiting for a repair ({self.resync_reason}): {resync_command(self.table, self.resync_reason)}"
             return (
                 f"waiting for an online resync ({self.resync_reason}): `resync --table {self.table}` runs it "
                 "(or `materialize --once --resync`)"

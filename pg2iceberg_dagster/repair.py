@@ -1,0 +1,302 @@
+"""Repair: bring Iceberg tables back to the source by writing only their differences, instead of a
+new snapshot of everything. For a lost replication slot (gone, or its WAL removed, on the same
+cluster) and for any table ``verify`` found different.
+
+A table's repair is an online resync (see :mod:`.snapshot.resync`) whose copy is replaced by a
+comparison:
+
+1. **Request** (``tables.resync_reason`` = ``repair: ...``, under the table's writer lease): its
+   merges wait; its changes keep staging; readers keep seeing the table as it was.
+2. **Compare**: under a new exported snapshot (a new epoch, recorded before anything is read), the
+   source is compared with the Iceberg table by primary key with :func:`~.verify.compare_table`
+   (hash buckets spilled to disk past ``BUCKET_ROWS``), gathering the rows that differ.
+3. **Write**: ONE Iceberg commit (its summary names the epoch) deletes the keys only in Iceberg or
+   different and appends the source's rows of the keys only in the source or different. A reader
+   sees the table before or after, never half repaired.
+4. **Finish**: the table's epoch becomes the comparison's, and merges resume from their cursor,
+   skipping the transactions that snapshot shows (as after the initial snapshot, or a resync).
+
+A lost slot first marks every mirrored table for repair, drops the lost slot (if still listed),
+moves the cursors of the configured group to each staged log's head (what was staged from the old
+slot is superseded: the new snapshot shows its effect), then creates a new slot with ``SNAPSHOT
+'export'``: its consistent point becomes the pipeline's, and ``flushed_lsn`` with it, so streaming
+resumes there. Every table is then repaired under that one exported snapshot (epoch of the slot).
+
+Crash safety: each step is recorded before the next. Killed before the new slot exists, the rerun
+finds the slot lost again and the tables marked (the mark is idempotent); killed after, the slot is
+healthy and the marked tables are repaired under a newer plain exported snapshot (any snapshot
+taken after the request works: changes it shows are skipped by the merge, the others applied). A
+write that landed before the crash is recognised by the epoch in its summary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import And, BooleanExpression, EqualTo, In, Or
+from pyiceberg.table import Table
+
+from .config import PipelineConfig
+from .coordination.records import REPAIR_PREFIX, SLOT_LOST_REASON, AdvertisedSnapshot, is_repair
+from .coordination.store import CoordinationStore
+from .errors import Pg2IcebergError, SlotBusyError
+from .faults import crash_point
+from .iceberg.catalog import snapshot_summaries
+from .iceberg.evolution import evolve_schema, pending_fills, without_pending_fills
+from .iceberg.types import arrow_schema
+from .snapshot.holder import SnapshotHolder
+from .snapshot.resync import request_resync
+from .source.catalog import SourceTable
+from .source.connection import connect
+from .source.xid_snapshot import imported_snapshot
+from .tables import MirroredTables
+from .validation import StartupReport
+from .verify import RowDifferences, compare_table
+
+REPAIR_EPOCH = "pg2iceberg.repair-epoch"  # in the repair commit's summary: the epoch it compared in
+REQUESTED_REASON = REPAIR_PREFIX + "requested"
+
+
+@dataclass
+class TableRepairResult:
+    """What one table's repair did."""
+
+    table: str
+    epoch: int | None = None
+    pg_rows: int = 0  # source rows compared
+    iceberg_rows: int = 0  # Iceberg rows compared
+    upserted: int = 0  # source rows written (keys only in the source, or different)
+    deleted: int = 0  # Iceberg keys deleted (only in Iceberg, or different)
+    snapshot_id: int | None = None  # the repair's commit (None: nothing differed, nothing committed)
+    seconds: float = 0.0
+    # Its commit had landed before an interruption (only recorded as finished now), or another process
+    # repaired it meanwhile: nothing compared here.
+    resumed: bool = False
+
+    @property
+    def rows_compared(self) -> int:
+        return self.pg_rows + self.iceberg_rows
+
+    @property
+    def rows_written(self) -> int:
+        return self.upserted + self.deleted
+
+
+@dataclass
+class RepairResult:
+    """What a repair did: the slot it replaced (if lost) and each table's repair."""
+
+    slot_lost: str | None = None  # why the old slot could not be resumed
+    consistent_point: int | None = None  # the new slot's, when one was created
+    tables: list[TableRepairResult] = field(default_factory=list)
+    # Tables waiting for a full online resync (a schema change no comparison can follow): left to it.
+    left_to_resync: dict[str, str] = field(default_factory=dict)
+
+
+def repair(
+    config: PipelineConfig,
+    tables: MirroredTables,
+    store: CoordinationStore,
+    catalog: Catalog,
+    report: StartupReport,
+    worker_id: str,
+    table_keys: Sequence[str] | None = None,
+    on_table: Callable[[TableRepairResult], None] | None = None,
+) -> RepairResult:
+    """Repair the lost slot (when ``report.slot_lost``: every mirrored table, whatever ``table_keys``,
+    since none received the lost changes), else the tables named by ``table_keys``, else those whose
+    repair a crash interrupted. See the module docstring."""
+    result = RepairResult(slot_lost=report.slot_lost)
+    states = store.table_states()
+    group = config.materialize.group
+    mirrored = [key for key in report.tables if key in states and states[key].snapshot_complete]
+    result.left_to_resync = {
+        key: reason for key in mirrored if (reason := states[key].resync_reason) and not is_repair(reason)
+    }
+    if report.slot_lost:
+        keys = [key for key in mirrored if key not in result.left_to_resync]
+        for key in keys:
+            request_resync(store, group, key, SLOT_LOST_REASON, worker_id)
+        if report.slot is not None:
+            _drop_slot(config)
+        crash_point("repair.after_slot_dropped")
+        flushed = store.flushed_lsn() or 0
+        for key in report.tables:
+            # Nothing stages while no slot exists: what was staged from the old one is superseded (the
+            # new slot's snapshot shows its effect), so the cursor moves past it unread.
+            head = store.log_head(key)
+            if store.mat_cursor(group, key) < head:
+                store.advance_mat_cursor(group, key, head, flushed, None)
+        holder = SnapshotHolder(config, store, create_slot=True)
+        result.consistent_point = store.pipeline_meta().consistent_point  # type: ignore[union-attr]
+        crash_point("repair.after_slot_created")
+    else:
+        if table_keys:
+            keys = list(table_keys)
+            for key in keys:
+                if key not in mirrored:
+                    raise Pg2IcebergError(f"{key}: its snapshot is not complete, so there is nothing to repair")
+                if key in result.left_to_resync:
+                    raise Pg2IcebergError(
+                        f"{key} waits for an online resync ({result.left_to_resync[key]}), which a repair cannot "
+                        f"replace: run `pg2iceberg-dagster resync --table {key}`"
+                    )
+                request_resync(store, group, key, REQUESTED_REASON, worker_id)
+        else:
+            keys = [key for key in mirrored if is_repair(states[key].resync_reason)]
+        if not keys:
+            return result
+        holder = SnapshotHolder(config, store, create_slot=False)
+    with holder:
+        for key in keys:
+            done = repair_table(config, tables, store, catalog, report.tables[key], holder.advertised)
+            result.tables.append(done)
+            if on_table:
+                on_table(done)
+    return result
+
+
+def repairs_pending(store: CoordinationStore) -> list[str]:
+    """Tables whose repair was requested and has not finished (a crash interrupted it)."""
+    return [key for key, state in store.table_states().items() if is_repair(state.resync_reason)]
+
+
+def _drop_slot(config: PipelineConfig) -> None:
+    """Drop the lost slot (it cannot stream any more; its name is needed for the new one)."""
+    with connect(config.source) as conn:
+        try:
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                (config.replication.slot,),
+            )
+        except psycopg.errors.ObjectInUse:
+            raise SlotBusyError(
+                f"replication slot {config.replication.slot} is lost but still held by another process; stop it "
+                "(see active_pid in pg_replication_slots), then repair again"
+            ) from None
+
+
+def _repaired_in(table: Table, epoch: int) -> bool:
+    """The repair commit of a comparison made in ``epoch`` landed."""
+    return any(summary.get(REPAIR_EPOCH) == str(epoch) for summary in snapshot_summaries(table))
+
+
+def repair_table(
+    config: PipelineConfig,
+    tables: MirroredTables,
+    store: CoordinationStore,
+    catalog: Catalog,
+    source: SourceTable,
+    snapshot: AdvertisedSnapshot,
+) -> TableRepairResult:
+    """Steps 2 to 4 for one table whose repair is requested, under ``snapshot`` (an exported snapshot
+    taken after the request)."""
+    # One repair of a table at a time (a `repair --table` next to `run` finishing the same one): the
+    # second finds it done.
+    with store.table_snapshot_lock(source.key):
+        return _repair_table(config, tables, store, catalog, source, snapshot)
+
+
+def _repair_table(
+    config: PipelineConfig,
+    tables: MirroredTables,
+    store: CoordinationStore,
+    catalog: Catalog,
+    source: SourceTable,
+    snapshot: AdvertisedSnapshot,
+) -> TableRepairResult:
+    started = time.monotonic()
+    key = source.key
+    identifier = tables[key].iceberg
+    state = store.table_state(key)
+    assert state is not None, f"{key}: not mirrored"
+    if state.resync_reason is None:
+        return TableRepairResult(key, epoch=state.snapshot_epoch, resumed=True)  # another process finished it
+    table = catalog.load_table(identifier)
+    if state.resync_epoch is not None and _repaired_in(table, state.resync_epoch):
+        store.finish_resync(key, state.resync_epoch)  # written just before a crash
+        return TableRepairResult(key, epoch=state.resync_epoch, seconds=time.monotonic() - started, resumed=True)
+    result = TableRepairResult(key, epoch=snapshot.epoch)
+    store.start_resync_copy(key, snapshot.epoch)
+    # A column added at the source reaches Iceberg first (a schema-only commit: no row changes).
+    if evolve_schema(table, key, source.columns):
+        table = catalog.load_table(identifier)
+    differences = RowDifferences()
+    with connect(config.source) as conn, imported_snapshot(conn, snapshot.name):
+        diff = compare_table(conn, source, table, config.values.out_of_range, differences=differences)
+    result.pg_rows, result.iceberg_rows = diff.pg_rows, diff.iceberg_rows
+    result.upserted, result.deleted = differences.upserted, len(differences.delete_keys)
+    crash_point("repair.before_commit")
+    result.snapshot_id = _write(table, differences, snapshot.epoch, key)
+    crash_point("repair.after_commit")
+    store.finish_resync(key, snapshot.epoch)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> int | None:
+    """Step 3: one commit deleting ``differences.delete_keys`` and appending ``differences.upserts``
+    (and forgetting DEFAULT fills: the rows written and compared hold their values). None when
+    nothing differs."""
+    if not differences.delete_keys and not differences.upserted:
+        return None
+    properties = {REPAIR_EPOCH: str(epoch)}
+    schema = table.schema()
+    transaction = table.transaction()
+    fills = pending_fills(table)
+    if fills:
+        transaction.set_properties(without_pending_fills(table, [fill.field_id for fill in fills]))
+    if differences.delete_keys:
+        key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
+        transaction.delete(key_filter(key_names, differences.delete_keys), snapshot_properties=properties)
+    if differences.upserted:
+        transaction.append(_as_table_rows(table, pa.concat_tables(differences.upserts)), snapshot_properties=properties)
+    try:
+        committed = transaction.commit_transaction()
+    except CommitFailedException as exc:
+        raise Pg2IcebergError(
+            f"{key}: the Iceberg table changed while it was repaired ({exc}); nothing was written. Run "
+            f"`pg2iceberg-dagster repair --table {key}` again"
+        ) from None
+    current = committed.current_snapshot()
+    return current.snapshot_id if current else None
+
+
+def _as_table_rows(table: Table, rows: pa.Table) -> pa.Table:
+    """``rows`` (the source's columns, typed for Iceberg) as the table's Arrow schema: its field order,
+    and NULL for columns dropped at the source that Iceberg keeps."""
+    schema = arrow_schema(table.schema())
+    columns = [
+        rows.column(target.name) if target.name in rows.column_names else pa.nulls(rows.num_rows, target.type)
+        for target in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def key_filter(columns: Sequence[str], keys: Sequence[tuple]) -> BooleanExpression:
+    """The rows whose key (``columns``) is one of ``keys``: ``In`` for a one-column key, else a
+    balanced tree of ORs (a chain as deep as the keys would overflow the expression visitors)."""
+    # Their __init__ take (term, literal(s)); the pydantic models' signatures say otherwise.
+    equal: Any = EqualTo
+    one_of: Any = In
+    if len(columns) == 1:
+        return one_of(columns[0], [key[0] for key in keys])
+
+    def one(key: tuple) -> BooleanExpression:
+        terms = [equal(column, value) for column, value in zip(columns, key, strict=True)]
+        return terms[0] if len(terms) == 1 else And(*terms)
+
+    def any_of(part: Sequence[tuple]) -> BooleanExpression:
+        if len(part) == 1:
+            return one(part[0])
+        middle = len(part) // 2
+        return Or(any_of(part[:middle]), any_of(part[middle:]))
+
+    return any_of(keys)
