@@ -20,5 +20,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[dev]'
+# readers: DuckDB and Daft, the independent Iceberg readers of tests/test_independent_readers.py.
+.venv/bin/pip install -q -e '.[dev,readers]'
 echo "setup complete: $(.venv/bin/python --version), $(java -version 2>&1 | head -1)"
