@@ -288,6 +288,9 @@ def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: Sou
         assert len(keys) > 1
         *chunks, live = planned.asset_events
         assert [(e.asset_key, e.partition) for e in chunks] == [(snapshot.key, key) for key in keys]
+        # No Dagster run read them ("Run None" in the UI): each says who did and what it wrote.
+        assert sum(e.metadata["rows_written"].value for e in chunks) == 2000
+        assert all("CLI" in (e.description or "") and e.metadata["reported_by"].value for e in chunks)
         assert live.asset_key == AssetKey(["iceberg", ns, "items"]) and live.metadata["dagster/row_count"].value == 2000
         evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
         assert evaluation.get_num_requested(snapshot.key) == 0, "nothing left for a chunk run"
