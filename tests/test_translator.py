@@ -296,3 +296,23 @@ def test_two_tables_into_one_iceberg_table_are_refused() -> None:
         translator([{"name": "public.a", "iceberg_name": "b"}, "public.b"])
     with pytest.raises(ConfigError, match=r"lake\.t"):
         translator(["a.t", "b.t"], iceberg={"namespace": "lake"})
+
+
+def test_run_tags_name_each_table_with_a_valid_distinct_tag_key() -> None:
+    """A merge run carries one tag per table: Dagster's tag keys take only [A-Za-z0-9_.-] (63 at most
+    after the namespace), so a hostile table name is made safe and suffixed, never shared."""
+    from dagster._utils.tags import is_valid_tag_key
+
+    from pg2iceberg_dagster.dagster_integration import table_run_tag
+
+    keys = ["public.orders", 'public."a b"', "public.a_b", "public.a$b", "sales.Ünïcode", "public." + "x" * 80]
+    tags = [table_run_tag(key) for key in keys]
+    assert tags[0] == "pg2iceberg/table.public.orders" and tags[2] == "pg2iceberg/table.public.a_b"
+    assert all(is_valid_tag_key(tag) for tag in tags), tags
+    assert len(set(tags)) == len(keys)
+    mirror = Mirror(translator(["public.orders"]), "billing")
+    assert mirror.run_tags(["public.orders"]) == {
+        "pg2iceberg/mirror": "billing",
+        "pg2iceberg/tables": "public.orders",
+        "pg2iceberg/table.public.orders": "true",
+    }
