@@ -291,10 +291,13 @@ def dagster_breakdown(home: Path, since: float, result: Measurement) -> None:
             if not merged or record.start_time is None:
                 continue
             metadata = merged[0].dagster_event.event_specific_data.materialization.metadata  # type: ignore[union-attr]
+            steps = instance.all_logs(record.dagster_run.run_id, of_type=DagsterEventType.STEP_START)
             runs.append(
                 {
                     "created": record.create_timestamp.timestamp(),
                     "started": record.start_time,
+                    # RUN_START -> STEP_START: the run's process start, imports, resources, executor.
+                    "step_started": min((e.timestamp for e in steps), default=record.start_time),
                     "merged": merged[0].timestamp,
                     "ended": record.end_time or merged[0].timestamp,
                     "phases": {
@@ -307,8 +310,12 @@ def dagster_breakdown(home: Path, since: float, result: Measurement) -> None:
             )
     runs.sort(key=lambda r: r["merged"])
     result.facts["merge_runs"] = len(runs)
+    if len(runs) > 1:
+        span = runs[-1]["created"] - runs[0]["created"]
+        result.facts["merge_runs_per_hour"] = round((len(runs) - 1) * 3600 / span, 1) if span > 0 else None
     extra: dict[str, list[float]] = {
         "run: created -> started (queue, launch)": [r["started"] - r["created"] for r in runs],
+        "run: started -> step started (start-up)": [r["step_started"] - r["started"] for r in runs],
         "run: started -> merged (process, JVM, merge)": [r["merged"] - r["started"] for r in runs],
         "run: merged -> ended (asset checks)": [r["ended"] - r["merged"] for r in runs],
         "run: previous ended -> created": [b["created"] - a["ended"] for a, b in itertools.pairwise(runs)],

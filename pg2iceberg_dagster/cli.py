@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument(
         "--dagster",
         action="store_true",
-        help="instead of replicating here, keep writing and run `dagster dev` on the pipeline",
+        help="instead of replicating here, keep writing and run `dg dev` (Dagster's UI and daemon) on the pipeline",
     )
     quick.add_argument("--ui-port", type=int, default=3000, help="Dagster UI port (with --dagster)")
     return parser

@@ -345,6 +345,10 @@ class MaterializeConfig(_Strict):
     # A source change the WAL cannot follow (a type Iceberg cannot evolve into, a rewrite that changed
     # older rows) requests an online resync of that table; off: the merge stops with the error.
     auto_resync: bool = True
+    # Under Dagster: a table's next merge run is not launched until this long after its last one was
+    # created, so a table written to all the time merges several flushes per run instead of paying a
+    # run's start-up (a new process, imports, resources) for each; 0: launch whenever it lags.
+    min_run_interval_seconds: float = Field(30.0, ge=0)
 
 
 class ChecksConfig(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import psycopg
 import yaml
 
-from .config import load_config
+from .config import PipelineConfig, load_config
 from .embedded import EmbeddedPostgres
 from .materializer.warm_spark import stop_server as stop_warm_server
 from .pipeline import Pipeline
@@ -36,9 +37,38 @@ CREATE TABLE IF NOT EXISTS public.orders (
 WORKSPACE = Path(__file__).resolve().parent.parent / "workspace.yaml"
 
 
-def dagster_dev_command(port: int) -> list[str]:
-    """``dagster dev`` on this repository's workspace, its UI on 127.0.0.1:``port``."""
-    return [sys.executable, "-m", "dagster", "dev", "-w", str(WORKSPACE), "-h", "127.0.0.1", "-p", str(port)]
+def dagster_dev_command(port: int, workspace: Path = WORKSPACE) -> list[str]:
+    """``dg dev`` (Dagster's CLI for local development, from dagster-dg-cli, which supersedes
+    ``dagster dev``) on ``workspace`` (this repository's by default), its UI on 127.0.0.1:``port``;
+    ``dagster dev`` where dg is not installed next to this Python (the same server either way)."""
+    dg = Path(sys.executable).with_name("dg")
+    cli = [str(dg), "dev"] if dg.exists() else [sys.executable, "-m", "dagster", "dev"]
+    return [*cli, "-w", str(workspace), "-h", "127.0.0.1", "-p", str(port)]
+
+
+def code_location_name(config: PipelineConfig) -> str:
+    """The name of a pipeline's code location: its replication slot, unique per pipeline and source
+    database (a deployment of several pipelines tells them apart), not the module's name."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", config.replication.slot)
+
+
+def write_workspace(root: Path, config: PipelineConfig) -> Path:
+    """A workspace file in ``root`` loading this repository's ``definitions.py`` as the code location
+    named after the pipeline (:func:`code_location_name`); returns its path."""
+    workspace = {
+        "load_from": [
+            {
+                "python_module": {
+                    "module_name": "definitions",
+                    "working_directory": str(WORKSPACE.parent),
+                    "location_name": code_location_name(config),
+                }
+            }
+        ]
+    }
+    path = root / "workspace.yaml"
+    path.write_text(yaml.safe_dump(workspace, sort_keys=False))
+    return path
 
 
 def config_for(root: Path, port: int) -> dict:
@@ -159,8 +189,9 @@ run_coordinator:
 
 
 def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: int = 3000) -> int:
-    """Start the local PostgreSQL with live writes and run ``dagster dev`` on the quickstart pipeline."""
+    """Start the local PostgreSQL with live writes and run ``dg dev`` on the quickstart pipeline."""
     postgres, config_path = start_embedded(root, port, rows)
+    workspace = write_workspace(root.resolve(), load_config(config_path))
     dagster_home = (root / "dagster_home").resolve()
     dagster_home.mkdir(exist_ok=True)
     (dagster_home / "dagster.yaml").write_text(DAGSTER_INSTANCE_YAML)
@@ -169,13 +200,13 @@ def run_dagster_dev(root: Path, port: int = 54329, rows: int = 50_000, ui_port: 
     writer.start()
     env = {**os.environ, "PG2ICEBERG_CONFIG": str(config_path.resolve()), "DAGSTER_HOME": str(dagster_home)}
     print(f"live writes running; Dagster UI on http://127.0.0.1:{ui_port} (Ctrl-C stops)")
-    # Its own session: dagster dev shuts down its process group. Ctrl-C or SIGTERM here is handed
+    # Its own session: dg dev shuts down its process group. Ctrl-C or SIGTERM here is handed
     # on to it; PostgreSQL keeps running for the next session. A shell starting this in the background
-    # ignores SIGINT for it, and an ignored signal stays ignored across exec: dagster dev would never
+    # ignores SIGINT for it, and an ignored signal stays ignored across exec: dg dev would never
     # stop. With a handler here, the child starts with SIGINT at its default (Python's Ctrl-C).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     dagster = subprocess.Popen(
-        dagster_dev_command(ui_port),
+        dagster_dev_command(ui_port, workspace),
         env=env,
         cwd=WORKSPACE.parent,
         start_new_session=True,

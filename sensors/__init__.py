@@ -1,19 +1,17 @@
 """The repository's code location, sensors: the installed integration's WAL flusher, CTID partition
-planning, merge and snapshot automation, resyncs and maintenance."""
+planning, snapshot automation, merges, resyncs and maintenance."""
 
-from pg2iceberg_dagster.dagster_integration.sensors.automation import (
-    merge_automation_sensor,
-    snapshot_automation_sensor,
-)
+from pg2iceberg_dagster.dagster_integration.sensors.automation import snapshot_automation_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.flusher import flusher_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.maintenance import maintenance_sensor
+from pg2iceberg_dagster.dagster_integration.sensors.merge import merge_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.resync import resync_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.snapshot_planner import snapshot_planner_sensor
 
 __all__ = [
     "flusher_sensor",
     "maintenance_sensor",
-    "merge_automation_sensor",
+    "merge_sensor",
     "resync_sensor",
     "snapshot_automation_sensor",
     "snapshot_planner_sensor",

@@ -52,9 +52,11 @@ def test_two_mirrors_load_side_by_side() -> None:
     Definitions.validate_loadable(defs)
     assert set(defs.resources or {}) == {"app", "app_spark", "billing", "billing_spark"}
     sensors = {sensor.name for sensor in defs.sensors or []}
-    for name in ("flusher", "snapshot_planner", "merge_automation", "snapshot_automation", "resync", "maintenance"):
+    for name in ("flusher", "snapshot_planner", "merge", "snapshot_automation", "resync", "maintenance"):
         assert {f"app_{name}", f"billing_{name}"} <= sensors
-    assert {job.name for job in defs.jobs or []} >= {"app_resync", "billing_resync", "billing_maintenance"}
+    assert {job.name for job in defs.jobs or []} == {
+        f"{mirror}_{job}" for mirror in ("app", "billing") for job in ("merge", "resync", "maintenance")
+    }
     specs = {spec.key: spec for spec in defs.resolve_all_asset_specs()}
     live = specs[AssetKey(["billing", "iceberg", "public", "orders"])]
     assert {dep.asset_key for dep in live.deps} == {
@@ -62,6 +64,7 @@ def test_two_mirrors_load_side_by_side() -> None:
         AssetKey(["billing", "staged_log", "public", "orders_staged_log"]),
     }, "the deps follow the translator's keys"
     assert AssetKey(["iceberg", "public", "orders"]) in specs
+    assert {spec.group_name for spec in specs.values()} == {"app_public", "billing_public"}, "a group per mirror"
     assert all(spec.tags.get("pg2iceberg") == "" for spec in specs.values()), "the tag a team's selection excludes"
     snapshots = [defs.resolve_assets_def(key) for key in specs if key.path[-1] == "orders_snapshot"]
     partitions = {assets.partitions_def.name for assets in snapshots}  # type: ignore[union-attr]
@@ -78,7 +81,8 @@ def test_get_asset_spec_returns_whole_specs() -> None:
         specs["source"].kinds == {"postgres"} and specs["source"].metadata["dagster/table_name"] == "app.public.orders"
     )
     assert {dep.asset_key for dep in specs["iceberg"].deps} == {specs["snapshot"].key, specs["staged_log"].key}
-    assert specs["iceberg"].group_name == "public" and "Iceberg table" in (specs["iceberg"].description or "")
+    assert specs["iceberg"].group_name == "pg2iceberg_public"
+    assert "Iceberg table" in (specs["iceberg"].description or "")
 
 
 def _env() -> dict[str, str]:
@@ -197,10 +201,10 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: 
         "billing/staged_log/billing/orders_staged_log",
     }
     sensors = {sensor["name"] for sensor in listed["sensors"]}
-    assert {"mirror_flusher", "billing_flusher", "mirror_merge_automation", "billing_merge_automation"} <= sensors
+    assert {"mirror_flusher", "billing_flusher", "mirror_merge", "billing_merge"} <= sensors
     assert "team_automation" in sensors
     assert {job["name"] for job in listed["jobs"]} == {
-        f"{mirror}_{job}" for mirror in ("mirror", "billing", "offline") for job in ("resync", "maintenance")
+        f"{mirror}_{job}" for mirror in ("mirror", "billing", "offline") for job in ("merge", "resync", "maintenance")
     }
     resources = {resource["name"] for resource in listed["resources"]}
     assert resources == {

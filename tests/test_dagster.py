@@ -14,9 +14,13 @@ from dagster import (
     AddDynamicPartitionsRequest,
     AssetKey,
     DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
     DefaultSensorStatus,
     Definitions,
+    RunRequest,
     SensorResult,
+    SkipReason,
     build_sensor_context,
     evaluate_automation_conditions,
     instance_for_test,
@@ -26,6 +30,7 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 
 from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, SparkResource, build_definitions
 from pg2iceberg_dagster.dagster_integration.assets import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
+from pg2iceberg_dagster.dagster_integration.mirror import MIRROR_RUN_TAG, TABLES_RUN_TAG, table_run_tag
 from pg2iceberg_dagster.snapshot.holder import holder_lock_key
 
 from .conftest import SourceDb, assert_mirrored
@@ -33,8 +38,8 @@ from .conftest import SourceDb, assert_mirrored
 pytestmark = pytest.mark.usefixtures("spark")
 
 
-def _write_config(source: SourceDb, tmp_path: Path, tables: list[str]) -> str:
-    config = source.config(tables, snapshot={"chunk_pages": 8, "parallelism": 2})
+def _write_config(source: SourceDb, tmp_path: Path, tables: list[str], **sections: Any) -> str:
+    config = source.config(tables, snapshot={"chunk_pages": 8, "parallelism": 2}, **sections)
     data = config.model_dump(mode="json", exclude_none=True)
     path = tmp_path / "pg2iceberg.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -45,9 +50,34 @@ def _assets_def(defs: Definitions, key: AssetKey) -> Any:
     return defs.resolve_assets_def(key)
 
 
+MERGE_JOB = "pg2iceberg_merge"
+
+
 def _merge(defs: Definitions, instance: DagsterInstance, *keys: AssetKey, **kwargs: Any) -> Any:
-    """Materialize the live tables ``keys`` (a subset of the one multi-asset of live tables)."""
-    return materialize([defs.resolve_assets_def(keys[0])], selection=list(keys), instance=instance, **kwargs)
+    """A run of the merge job on the live tables ``keys`` (a subset of the one multi-asset of live tables)."""
+    return defs.resolve_job_def(MERGE_JOB).execute_in_process(instance=instance, asset_selection=list(keys), **kwargs)
+
+
+def _merge_requested(defs: Definitions, instance: DagsterInstance, config_path: str) -> RunRequest | None:
+    """The merge run the merge sensor requests in one tick (None: it skips)."""
+    ticked = _tick(defs, MERGE_JOB, instance, config_path)
+    if isinstance(ticked, SkipReason):
+        return None
+    (request,) = ticked.run_requests
+    return request
+
+
+def _launch(
+    defs: Definitions, instance: DagsterInstance, request: RunRequest, job: str = MERGE_JOB, **kwargs: Any
+) -> Any:
+    """Run what a sensor requested of ``job`` (its selection, config and tags), as the daemon would."""
+    return defs.resolve_job_def(job).execute_in_process(
+        instance=instance,
+        asset_selection=list(request.asset_selection) if request.asset_selection else None,
+        run_config=request.run_config,
+        tags=request.tags,
+        **kwargs,
+    )
 
 
 def _resources(config_path: str) -> dict[str, Any]:
@@ -91,9 +121,19 @@ def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None
         assert {dep.asset_key for dep in specs[AssetKey(["iceberg", ns, f"{table}_snapshot"])].deps} == {
             AssetKey(["pg", "public", f"{table}_source"])
         }
-        assert "iceberg" in live.kinds and live.automation_condition is not None
-    for name in ("pg2iceberg_merge_automation", "pg2iceberg_snapshot_automation"):
+        assert "iceberg" in live.kinds and live.automation_condition is None, "the merge sensor launches merges"
+        assert live.group_name == "pg2iceberg_public", "the mirror's group, not a bare schema name"
+    for name in ("pg2iceberg_merge", "pg2iceberg_snapshot_automation"):
         assert defs.resolve_sensor_def(name).default_status == DefaultSensorStatus.RUNNING
+    for sensor in defs.sensors or []:
+        assert sensor.description, f"sensor {sensor.name} has no description"
+    jobs = {job.name: defs.resolve_job_def(job.name) for job in defs.jobs or []}
+    assert set(jobs) == {"pg2iceberg_merge", "pg2iceberg_resync", "pg2iceberg_maintenance"}
+    for job in jobs.values():
+        assert job.description, f"job {job.name} has no description"
+        assert job.partitions_def is None, f"{job.name}: no partition per table (no 'missing' tables, no backfill)"
+    assert jobs["pg2iceberg_merge"].executor_def.name == "in_process", "one process per merge run"
+    assert jobs["pg2iceberg_merge"].tags[MIRROR_RUN_TAG] == "pg2iceberg"
 
 
 def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_path: Path) -> None:
@@ -133,22 +173,22 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
         orders_event = events[AssetKey(["staged_log", "public", "orders_staged_log"])]
         assert orders_event.metadata["lag"].value > 0
 
-        # Automation: orders lags and its snapshot is complete, so it merges; customers lags but is not
-        # snapshotted, so it does not merge, and its missing chunk is what gets taken.
+        # The merge sensor: orders lags and its snapshot is complete, so it merges; customers lags but
+        # is not snapshotted, so it does not merge, and its missing chunk is what automation takes.
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and request.asset_selection == [orders_live]
+        assert request.tags[TABLES_RUN_TAG] == "public.orders" and request.tags[table_run_tag("public.orders")]
         evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert evaluation.get_num_requested(AssetKey(["iceberg", ns, "orders"])) == 1
-        assert evaluation.get_num_requested(AssetKey(["iceberg", ns, "customers"])) == 0
         customer_chunks = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert evaluation.get_num_requested(customers_snapshot.key) == len(customer_chunks)
         assert evaluation.get_num_requested(orders_snapshot.key) == 0
 
-        # The merge runs on Spark and its checks pass.
-        merged = _merge(defs, instance, orders_live)
-        assert merged.success
+        # The merge runs as the named job on Spark and its checks pass.
+        merged = _launch(defs, instance, request)
+        assert merged.success and merged.dagster_run.job_name == MERGE_JOB
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
-        after = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert after.get_num_requested(orders_live) == 0, "no lag left: no merge"
+        assert _merge_requested(defs, instance, config_path) is None, "no lag left: no merge"
 
         # A duplicated key fails the blocking check.
         table = source.pipeline(source.config(["public.orders"])).catalog.load_table(f"{ns}.orders")
@@ -191,8 +231,9 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
 
 
 def test_lagging_tables_merge_in_one_run_and_one_failure_holds_back_none(source: SourceDb, tmp_path: Path) -> None:
-    """One automation tick requests every lagging table, and one run merges them (one Spark session for
-    them all); in a run, a table that cannot merge fails the run but the others are merged and reported."""
+    """One merge sensor tick requests every lagging table, and one run of the merge job merges them (one
+    Spark session for them all), tagged with each; in a run, a table that cannot merge fails the run but
+    the others are merged and reported."""
     names = ("orders", "customers", "later")
     for name in names:
         source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
@@ -207,14 +248,19 @@ def test_lagging_tables_merge_in_one_run_and_one_failure_holds_back_none(source:
     source.execute("UPDATE public.orders SET v = 'changed' WHERE id <= 5; DELETE FROM public.customers WHERE id = 9")
     mirrored.stream(until_caught_up=True)
     with instance_for_test() as instance:
-        # Requested in the same tick, unpartitioned assets go into one run (test_dagster_dev sees it).
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert [evaluation.get_num_requested(live[name]) for name in names] == [1, 1, 0]
-        merged = _merge(defs, instance, live["orders"], live["customers"])
+        # One request for both lagging tables (test_dagster_dev sees it as one run); `later` waits.
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and set(request.asset_selection or []) == {live["orders"], live["customers"]}
+        assert request.tags[TABLES_RUN_TAG] == "public.customers,public.orders"
+        merged = _launch(defs, instance, request)
         assert merged.success
         assert {e.asset_key for e in merged.get_asset_materialization_events()} == {live["orders"], live["customers"]}
         assert all(e.passed for e in merged.get_asset_check_evaluations())
-        assert evaluate_automation_conditions(defs=defs, instance=instance).get_num_requested(live["orders"]) == 0
+        assert len(merged.get_asset_check_evaluations()) == 8, "the four checks of each table"
+        (run,) = instance.get_runs()
+        assert run.job_name == MERGE_JOB and run.tags[MIRROR_RUN_TAG] == "pg2iceberg"
+        assert {table_run_tag("public.orders"), table_run_tag("public.customers")} <= set(run.tags)
+        assert _merge_requested(defs, instance, config_path) is None
 
         source.execute("INSERT INTO public.orders VALUES (1000, 'new')")
         mirrored.stream(until_caught_up=True)
@@ -242,6 +288,9 @@ def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: Sou
         assert len(keys) > 1
         *chunks, live = planned.asset_events
         assert [(e.asset_key, e.partition) for e in chunks] == [(snapshot.key, key) for key in keys]
+        # No Dagster run read them ("Run None" in the UI): each says who did and what it wrote.
+        assert sum(e.metadata["rows_written"].value for e in chunks) == 2000
+        assert all("CLI" in (e.description or "") and e.metadata["reported_by"].value for e in chunks)
         assert live.asset_key == AssetKey(["iceberg", ns, "items"]) and live.metadata["dagster/row_count"].value == 2000
         evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
         assert evaluation.get_num_requested(snapshot.key) == 0, "nothing left for a chunk run"
@@ -270,10 +319,11 @@ def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb
 
         ticked = _tick(defs, "pg2iceberg_resync", instance, config_path)
         assert isinstance(ticked, SensorResult)
-        assert [request.partition_key for request in ticked.run_requests] == ["public.items"]
-        job = defs.resolve_job_def("pg2iceberg_resync")
-        resynced = job.execute_in_process(instance=instance, partition_key="public.items")
-        assert resynced.success
+        (request,) = ticked.run_requests
+        assert request.partition_key is None and request.tags[TABLES_RUN_TAG] == "public.items"
+        assert request.run_config == {"ops": {"pg2iceberg_resync_table": {"config": {"table": "public.items"}}}}
+        resynced = _launch(defs, instance, request, job="pg2iceberg_resync")
+        assert resynced.success and resynced.dagster_run.tags[table_run_tag("public.items")]
         event = instance.get_latest_materialization_event(live.key)
         assert event is not None and event.asset_materialization is not None
         assert event.asset_materialization.metadata["rows_copied"].value == 500
@@ -285,6 +335,73 @@ def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
     assert_mirrored(pipeline)
+
+
+def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source: SourceDb, tmp_path: Path) -> None:
+    """A busy table: while a merge run of it is in progress, and until
+    ``materialize.min_run_interval_seconds`` after its last run was created, the merge sensor leaves it
+    out (its changes wait for the next run, which merges several flushes); 0 launches whenever it lags."""
+    for name in ("busy", "other"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, 'v' || g FROM generate_series(1, 200) g")
+    tables = ["public.busy", "public.other"]
+    other = AssetKey(["iceberg", f"{source.name}_public", "other"])
+    pipeline = source.pipeline(source.config(tables))
+    pipeline.snapshot()
+
+    def write(*names: str) -> None:
+        for name in names:
+            source.execute(f"UPDATE public.{name} SET v = v || '+' WHERE id = 1")
+        pipeline.stream(until_caught_up=True)
+
+    config_path = _write_config(source, tmp_path, tables, materialize={"min_run_interval_seconds": 3600})
+    defs = build_definitions(config_path)
+    with instance_for_test() as instance:
+        # A run of busy in progress (as the daemon would have launched it): busy is left out.
+        instance.add_run(
+            DagsterRun(job_name=MERGE_JOB, status=DagsterRunStatus.STARTED, tags={table_run_tag("public.busy"): "true"})
+        )
+        write("busy", "other")
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and request.asset_selection == [other], "busy's run is still in progress"
+        assert _launch(defs, instance, request).success
+
+        # Both lag again: busy's in-progress run and other's last run (just now) hold both back.
+        write("busy", "other")
+        skipped = _tick(defs, MERGE_JOB, instance, config_path)
+        assert isinstance(skipped, SkipReason)
+        assert "merging now: 1" in str(skipped.skip_message) and "less than 3600 s ago: 1" in str(skipped.skip_message)
+
+        # With no minimum interval, other merges as soon as it lags; busy still waits for its run.
+        config_path = _write_config(source, tmp_path, tables, materialize={"min_run_interval_seconds": 0})
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and request.asset_selection == [other]
+        assert _launch(defs, instance, request).success
+
+        # The default (30 s) holds other back too: its last run was created a moment ago.
+        write("other")
+        config_path = _write_config(source, tmp_path, tables)
+        assert _merge_requested(defs, instance, config_path) is None
+
+
+def test_resync_and_maintenance_refuse_an_unknown_table(source: SourceDb, tmp_path: Path) -> None:
+    """The per-table jobs take their table from the run config: one the mirror does not mirror fails the
+    run at once, naming the mirror's tables."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY)")
+    defs = build_definitions(_write_config(source, tmp_path, ["public.items"]))
+    with instance_for_test() as instance:
+        for job, op in (
+            ("pg2iceberg_resync", "pg2iceberg_resync_table"),
+            ("pg2iceberg_maintenance", "pg2iceberg_maintain_table"),
+        ):
+            config = {"ops": {op: {"config": {"table": "public.nope"}}}}
+            result = defs.resolve_job_def(job).execute_in_process(
+                instance=instance, run_config=config, raise_on_error=False
+            )
+            assert not result.success
+            (failure,) = [e for e in result.all_events if e.is_step_failure]
+            message = failure.step_failure_data.error.message  # type: ignore[union-attr]
+            assert "unknown table 'public.nope'" in message and "public.items" in message, message
 
 
 def test_a_partitioned_table_runs_its_leaves_chunks_and_merges(source: SourceDb, tmp_path: Path) -> None:

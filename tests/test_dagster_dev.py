@@ -162,3 +162,23 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_quickstart_runs_dg_dev_on_a_location_named_after_the_pipeline(tmp_path: Path) -> None:
+    """`quickstart --dagster` runs `dg dev` (what Dagster recommends over `dagster dev`) on a workspace
+    whose code location is named after the pipeline's slot, not after the module `definitions`."""
+    from pg2iceberg_dagster.config import parse_config
+    from pg2iceberg_dagster.quickstart import config_for, write_workspace
+
+    workspace = write_workspace(tmp_path, parse_config(config_for(tmp_path, 54329), "quickstart"))
+    (entry,) = yaml.safe_load(workspace.read_text())["load_from"]
+    assert entry["python_module"] == {
+        "module_name": "definitions",
+        "working_directory": str(ROOT),
+        "location_name": "pg2iceberg_quickstart",
+    }
+    command = dagster_dev_command(3000, workspace)
+    assert Path(command[0]).name == "dg" and command[1:4] == ["dev", "-w", str(workspace)]
+    assert yaml.safe_load((ROOT / "workspace.yaml").read_text())["load_from"][0]["python_module"]["location_name"] == (
+        "pg2iceberg"
+    )

@@ -219,10 +219,11 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
             ticked = defs.resolve_sensor_def("pg2iceberg_maintenance")(context)
         assert isinstance(ticked, SensorResult)
         (request,) = ticked.run_requests
-        assert request.partition_key == "public.items"
+        assert request.run_config == {"ops": {"pg2iceberg_maintain_table": {"config": {"table": "public.items"}}}}
+        assert request.tags["pg2iceberg/tables"] == "public.items" and request.tags["pg2iceberg/table.public.items"]
 
         run = defs.resolve_job_def("pg2iceberg_maintenance").execute_in_process(
-            partition_key=request.partition_key, instance=instance, tags=request.tags
+            run_config=request.run_config, instance=instance, tags=request.tags
         )
         assert run.success
         (observation,) = [event.event_specific_data.asset_observation for event in run.get_asset_observation_events()]
@@ -246,7 +247,8 @@ def test_dagster_maintains_a_due_table_and_plots_its_files(source: SourceDb, tmp
         _churn(source, pipeline, 3)
         with build_sensor_context(instance=instance, resources=resources, cursor=cursor) as context:
             ticked = defs.resolve_sensor_def("pg2iceberg_maintenance")(context)
-        assert isinstance(ticked, SensorResult) and [r.partition_key for r in ticked.run_requests] == ["public.items"]
+        assert isinstance(ticked, SensorResult)
+        assert [r.tags["pg2iceberg/tables"] for r in ticked.run_requests] == ["public.items"]
     assert_mirrored(pipeline)
 
 

@@ -19,7 +19,6 @@ from dagster import (
     EnvVar,
     SensorResult,
     build_sensor_context,
-    evaluate_automation_conditions,
     instance_for_test,
     materialize,
 )
@@ -140,7 +139,7 @@ def test_source_password_appears_nowhere(
     assert cli("stream", "--until-caught-up") == 0
     source = PostgresResource(host="127.0.0.1", port=cluster.port, dbname="app", user=ROLE, password=EnvVar(ENV))
     pg2iceberg = Pg2IcebergResource(config_path=str(config_path), source=source)
-    _, assets = table_definitions(Mirror(Pg2IcebergTranslator(config)), pg2iceberg)
+    _, assets = table_definitions(Mirror(Pg2IcebergTranslator(config)))
     live = next(a for a in assets if AssetKey(["iceberg", "public", "accounts"]) in a.keys)
     with instance_for_test() as instance:
         result = materialize(
@@ -207,12 +206,12 @@ def test_source_password_appears_nowhere(
 
 
 @pytest.mark.usefixtures("spark")
-def test_dagster_password_reaches_the_holder_process_and_automation(
+def test_dagster_password_reaches_the_holder_process_and_the_sensors(
     make_cluster: Callable[..., EmbeddedPostgres], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The YAML's password variable is unset; only the Dagster resource has the password (an EnvVar).
-    A chunk run, the snapshot holder process it starts, the flusher sensor and the merge automation
-    condition must all connect with it: none may fall back to re-reading the YAML."""
+    A chunk run, the snapshot holder process it starts, the flusher sensor and the merge sensor
+    must all connect with it: none may fall back to re-reading the YAML."""
     password = f"Pw-{secrets.token_urlsafe(24)}"
     cluster = make_cluster(
         hba=[f"host all {ROLE} 127.0.0.1/32 scram-sha-256", f"host replication {ROLE} 127.0.0.1/32 scram-sha-256"]
@@ -263,8 +262,10 @@ def test_dagster_password_reaches_the_holder_process_and_automation(
         with build_sensor_context(instance=instance, resources=resources) as context:
             flushed = defs.resolve_sensor_def("pg2iceberg_flusher")(context)
         assert isinstance(flushed, SensorResult) and flushed.asset_events
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert evaluation.get_num_requested(live) == 1, "the automation condition saw the lag"
+        with build_sensor_context(instance=instance, resources=resources) as context:
+            merge = defs.resolve_sensor_def("pg2iceberg_merge")(context)
+        assert isinstance(merge, SensorResult), "the merge sensor saw the lag"
+        assert [request.asset_selection for request in merge.run_requests] == [[live]]
     with pg2iceberg.process_config_and_initialize_cm() as resource, Pipeline(resource.load_config()) as pipeline:
         pipeline.materialize()
         (diff,) = pipeline.verify()

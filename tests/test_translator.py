@@ -46,7 +46,7 @@ def test_plain_table() -> None:
         AssetKey(["iceberg", "public", "orders_snapshot"]),
         AssetKey(["iceberg", "public", "orders"]),
     ]
-    assert t.group_name(table) == "public"
+    assert t.group_name(table) == "pg2iceberg_public"
     assert t.partitions_name(table) == "ctid_chunks__public__orders"
     assert t.iceberg_table_name(table) == "pg2iceberg.public.orders"
 
@@ -62,7 +62,7 @@ def test_namespace_template_catalog_name_and_iceberg_name() -> None:
     assert t.source_key(table) == AssetKey(["pg", "sales", "orders_source"]), "the source keeps the PostgreSQL name"
     assert t.staged_log_key(table) == AssetKey(["staged_log", "sales", "orders_staged_log"])
     assert t.iceberg_table_name(table) == "lake.raw_sales.orders_v2"
-    assert t.group_name(table) == "sales", "grouped by source schema, not namespace"
+    assert t.group_name(table) == "pg2iceberg_sales", "grouped by source schema, not namespace"
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_hostile_names_are_sanitised(name: str, schema_part: str, table_part: st
     assert t.staged_log_key(table) == AssetKey(["staged_log", schema_part, f"{table_part}_staged_log"])
     assert t.iceberg_key(table) == AssetKey(["iceberg", f"ns_{schema_part}", table_part])
     assert t.snapshot_key(table) == AssetKey(["iceberg", f"ns_{schema_part}", f"{table_part}_snapshot"])
-    assert t.group_name(table) == schema_part
+    assert t.group_name(table) == f"pg2iceberg_{schema_part}"
     assert t.partitions_name(table) == f"ctid_chunks__{schema_part}__{table_part}"
     for part in [p for key in keys(t, table) for p in key.path] + [t.group_name(table), t.partitions_name(table)]:
         assert DAGSTER_NAME.match(part), part
@@ -105,9 +105,17 @@ def test_descriptions_name_the_table() -> None:
         t.description(table, "unknown")
 
 
-def test_groups_follow_the_source_schema() -> None:
+def test_groups_follow_the_mirror_and_the_source_schema() -> None:
+    """A group per mirror and schema: two mirrors (or teams) of one deployment never share ``public``."""
     t = translator(["public.a", "public.b", "sales.a"])
-    assert [t.group_name(table) for table in t.config.tables] == ["public", "public", "sales"]
+    assert [t.group_name(table) for table in t.config.tables] == ["pg2iceberg_public"] * 2 + ["pg2iceberg_sales"]
+    billing = Mirror(t, "billing")
+    assert [billing.spec(table, "iceberg").group_name for table in t.config.tables] == [
+        "billing_public",
+        "billing_public",
+        "billing_sales",
+    ]
+    assert t.mirror_name == "pg2iceberg", "the mirror has its own copy; the translator given is unchanged"
 
 
 def test_translator_is_frozen_and_overridable() -> None:
@@ -118,6 +126,7 @@ def test_translator_is_frozen_and_overridable() -> None:
     config = translator(["public.orders"]).config
     flat = Flat(config)
     assert flat.group_name(only(config)) == "mirror"
+    assert Mirror(flat, "billing").spec(only(config), "iceberg").group_name == "mirror", "the override decides"
     assert flat.source_key(only(config)) == AssetKey(["pg", "public", "orders_source"])
     with pytest.raises(AttributeError):
         flat.config = config  # type: ignore[misc]
@@ -233,7 +242,7 @@ def test_a_table_named_as_its_keys_read_keeps_them() -> None:
             AssetKey(["iceberg", "public", part]),
         ]
         assert t.partitions_name(by_key[key]) == f"ctid_chunks__public__{part}"
-        assert t.group_name(by_key[key]) == "public"
+        assert t.group_name(by_key[key]) == "pg2iceberg_public"
         assert t.iceberg_table_name(by_key[key]) == f"pg2iceberg.public.{by_key[key].table_name}", "the real name"
     assert keys(t, by_key["public.orders"])[3] == AssetKey(["iceberg", "public", "orders"])
 
@@ -287,3 +296,23 @@ def test_two_tables_into_one_iceberg_table_are_refused() -> None:
         translator([{"name": "public.a", "iceberg_name": "b"}, "public.b"])
     with pytest.raises(ConfigError, match=r"lake\.t"):
         translator(["a.t", "b.t"], iceberg={"namespace": "lake"})
+
+
+def test_run_tags_name_each_table_with_a_valid_distinct_tag_key() -> None:
+    """A merge run carries one tag per table: Dagster's tag keys take only [A-Za-z0-9_.-] (63 at most
+    after the namespace), so a hostile table name is made safe and suffixed, never shared."""
+    from dagster._utils.tags import is_valid_tag_key
+
+    from pg2iceberg_dagster.dagster_integration import table_run_tag
+
+    keys = ["public.orders", 'public."a b"', "public.a_b", "public.a$b", "sales.Ünïcode", "public." + "x" * 80]
+    tags = [table_run_tag(key) for key in keys]
+    assert tags[0] == "pg2iceberg/table.public.orders" and tags[2] == "pg2iceberg/table.public.a_b"
+    assert all(is_valid_tag_key(tag) for tag in tags), tags
+    assert len(set(tags)) == len(keys)
+    mirror = Mirror(translator(["public.orders"]), "billing")
+    assert mirror.run_tags(["public.orders"]) == {
+        "pg2iceberg/mirror": "billing",
+        "pg2iceberg/tables": "public.orders",
+        "pg2iceberg/table.public.orders": "true",
+    }

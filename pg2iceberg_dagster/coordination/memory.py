@@ -133,7 +133,7 @@ class InMemoryCoordinationStore:
                 raise KeyError(f"snapshot epoch {epoch} is not recorded")
             if table_name in self._chunks:
                 self._chunks[table_name] = [
-                    dataclasses.replace(c, done=False, epoch=None) for c in self._chunks[table_name]
+                    dataclasses.replace(c, done=False, epoch=None, rows=None) for c in self._chunks[table_name]
                 ]
             if table_name in self._tables:
                 self._tables[table_name] = dataclasses.replace(self._tables[table_name], snapshot_epoch=epoch)

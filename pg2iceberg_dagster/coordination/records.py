@@ -82,6 +82,7 @@ class Chunk:
     epoch: int | None = None  # the snapshot epoch a done chunk was read in
     # The leaf partition (schema, name) whose pages these are, for a partitioned table; else None.
     leaf: tuple[str, str] | None = None
+    rows: int | None = None  # rows a done chunk wrote
 
     @property
     def partition_key(self) -> str:

@@ -207,9 +207,18 @@ class CoordinationStore:
 
     def chunks(self, table_name: str) -> list[Chunk]:
         return [
-            Chunk(table_name, index, start, end, status == "done", epoch, (schema, name) if name is not None else None)
-            for index, start, end, status, epoch, schema, name in self.conn.execute(
-                "SELECT chunk_index, start_page, end_page, status, epoch, leaf_schema, leaf_name "
+            Chunk(
+                table_name,
+                index,
+                start,
+                end,
+                status == "done",
+                epoch,
+                (schema, name) if name is not None else None,
+                rows,
+            )
+            for index, start, end, status, epoch, schema, name, rows in self.conn.execute(
+                "SELECT chunk_index, start_page, end_page, status, epoch, leaf_schema, leaf_name, rows_written "
                 "FROM _pg2iceberg.snapshot_progress WHERE table_name = %s ORDER BY chunk_index",
                 (table_name,),
             )

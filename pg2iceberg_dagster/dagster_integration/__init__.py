@@ -12,7 +12,7 @@ The engine never imports this package; it reaches the engine through ``pg2iceber
 
 from .component import Pg2IcebergComponent
 from .definitions import build_definitions, mirror_definitions
-from .mirror import DEFAULT_NAME, Mirror
+from .mirror import DEFAULT_NAME, Mirror, table_run_tag
 from .resources import Pg2IcebergResource, PostgresResource, SparkResource
 from .translator import ROLES, Pg2IcebergTranslator, TableAsset
 
@@ -28,4 +28,5 @@ __all__ = [
     "TableAsset",
     "build_definitions",
     "mirror_definitions",
+    "table_run_tag",
 ]

@@ -33,9 +33,8 @@ from pg2iceberg_dagster.pipeline import (
     compaction_due,
 )
 
-from .automation import TablesToMerge, merge_condition, snapshot_condition
+from .automation import snapshot_condition
 from .mirror import Mirror
-from .resources import Pg2IcebergResource
 
 PK_UNIQUE = "primary_key_unique"
 MATCHES_SOURCE = "matches_source"
@@ -184,13 +183,10 @@ def files_check_result(health: TableHealth, settings: MaintenanceConfig, key: An
     )
 
 
-def _live_spec(mirror: Mirror, table: TableConfig, ready: TablesToMerge) -> AssetSpec:
-    spec = mirror.spec(table, "iceberg")
-    return spec.replace_attributes(
-        automation_condition=spec.automation_condition or merge_condition(ready, table.key),
-        # A run merges the tables it selected; one that fails does not hold back the others.
-        skippable=True,
-    )
+def _live_spec(mirror: Mirror, table: TableConfig) -> AssetSpec:
+    # No automation condition: the merge sensor launches the merges, as runs of the merge job.
+    # A run merges the tables it selected; one that fails does not hold back the others.
+    return mirror.spec(table, "iceberg").replace_attributes(skippable=True)
 
 
 def _live_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
@@ -200,6 +196,11 @@ def _live_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
         AssetCheckSpec(SCHEMA_MATCHES, asset=key, description="columns and types match the source"),
         AssetCheckSpec(FILES_COMPACT, asset=key, description="few small files and delete files (maintenance compacts)"),
     ]
+
+
+def live_check_keys(key: AssetKey) -> list[AssetCheckKey]:
+    """The checks of the live table ``key`` (what a merge run selects with it)."""
+    return [spec.key for spec in _live_check_specs(key)]
 
 
 def _report_merge(
@@ -222,15 +223,15 @@ def _report_merge(
     yield files_check_result(health, pipeline.config.maintenance, key)
 
 
-def live_tables_asset(mirror: Mirror, ready: TablesToMerge) -> AssetsDefinition:
+def live_tables_asset(mirror: Mirror) -> AssetsDefinition:
     """Every live Iceberg table in one multi-asset that can subset: the lagging tables requested in one
-    automation tick merge in one run on one Spark session (one JVM start for them all, not one per
+    merge sensor tick merge in one run on one Spark session (one JVM start for them all, not one per
     table), several at once (``materialize.parallelism``); each is reported as its merge ends."""
     keys = {mirror.key(table, "iceberg"): table for table in mirror.tables}
 
     @multi_asset(
-        name=mirror.named("merge"),
-        specs=[_live_spec(mirror, table, ready) for table in mirror.tables],
+        name=mirror.named("merge_live_tables"),  # the job is <mirror>_merge: graph and op names share a namespace
+        specs=[_live_spec(mirror, table) for table in mirror.tables],
         check_specs=[spec for key in keys for spec in _live_check_specs(key)],
         can_subset=True,
         pool=mirror.named("merge"),
@@ -284,12 +285,11 @@ def _check_key(result: AssetCheckResult) -> AssetCheckKey:
     return AssetCheckKey(result.asset_key, result.check_name)
 
 
-def table_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
+def table_definitions(mirror: Mirror) -> tuple[list[AssetSpec], list[AssetsDefinition]]:
     """External specs and assets for every configured table: per table its source, staged log and
-    snapshot; the live tables together in one multi-asset, whose merge automation reads the lag
-    through ``pg2iceberg``."""
+    snapshot; the live tables together in one multi-asset (merged by runs of the merge job)."""
     specs = [mirror.spec(table, role) for table in mirror.tables for role in ("source", "staged_log")]
     assets = [snapshot_asset(mirror, table) for table in mirror.tables]
     if mirror.tables:
-        assets.append(live_tables_asset(mirror, TablesToMerge(pg2iceberg)))
+        assets.append(live_tables_asset(mirror))
     return specs, assets

@@ -15,12 +15,14 @@ from pg2iceberg_dagster.pipeline import resolve_tables
 
 from .assets import table_definitions
 from .jobs.maintenance import maintenance_job
+from .jobs.merge import merge_job
 from .jobs.resync import resync_job
 from .mirror import DEFAULT_NAME, Mirror
 from .resources import Pg2IcebergResource, SparkResource
-from .sensors.automation import merge_automation_sensor, snapshot_automation_sensor
+from .sensors.automation import snapshot_automation_sensor
 from .sensors.flusher import flusher_sensor
 from .sensors.maintenance import maintenance_sensor
+from .sensors.merge import merge_sensor
 from .sensors.resync import resync_sensor
 from .sensors.snapshot_planner import snapshot_planner_sensor
 from .translator import Pg2IcebergTranslator
@@ -46,16 +48,17 @@ def resolved_config(config: ConfigSource) -> PipelineConfig:
 
 def mirror_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> Definitions:
     """Every definition of ``mirror``, reaching its pipeline through ``pg2iceberg``."""
-    specs, assets = table_definitions(mirror, pg2iceberg)
+    specs, assets = table_definitions(mirror)
+    merge = merge_job(mirror)
     resync = resync_job(mirror)
     maintenance = maintenance_job(mirror)
     return Definitions(
         assets=[*specs, *assets],
-        jobs=[resync, maintenance],
+        jobs=[merge, resync, maintenance],
         sensors=[
             flusher_sensor(mirror),
             snapshot_planner_sensor(mirror),
-            merge_automation_sensor(mirror),
+            merge_sensor(mirror, merge),
             snapshot_automation_sensor(mirror),
             resync_sensor(mirror, resync),
             maintenance_sensor(mirror, maintenance),
@@ -75,7 +78,7 @@ def build_definitions(
     table to the config, it joins the graph.
 
     ``pg2iceberg`` overrides the resource (e.g. a source password as ``EnvVar``); the runs, sensors and
-    automation conditions all reach the pipeline through it. ``name`` prefixes the resource keys and the
+    merge sensor all reach the pipeline through it. ``name`` prefixes the resource keys and the
     names of sensors, jobs and pools (two mirrors in one code location need two names);
     ``translator_cls`` decides how the tables appear (see :class:`Pg2IcebergTranslator`)."""
     mirror = Mirror(translator_cls(resolved_config(config)), name)

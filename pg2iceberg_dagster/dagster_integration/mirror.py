@@ -4,7 +4,10 @@ pools, the CTID-chunk partitions), all derived from the mirror's name, so two mi
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -15,13 +18,34 @@ from pg2iceberg_dagster.config import PipelineConfig, TableConfig
 from pg2iceberg_dagster.errors import ConfigError
 
 from .resources import Pg2IcebergResource, SparkResource
-from .translator import ROLES, Pg2IcebergTranslator
+from .translator import DEFAULT_NAME, ROLES, Pg2IcebergTranslator
 
-DEFAULT_NAME = "pg2iceberg"
+__all__ = ["DEFAULT_NAME", "MIRROR_RUN_TAG", "MIRROR_TAG", "TABLES_RUN_TAG", "Mirror", "table_run_tag"]
 # Every asset of every mirror carries this tag (no value), so a team's own automation sensor can leave
 # the mirrors' assets to their own sensors: ``AssetSelection.all() - AssetSelection.tag(MIRROR_TAG, "")``.
 MIRROR_TAG = "pg2iceberg"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Run tags of the mirror's runs (merge, resync, maintenance): the mirror, the tables as a comma list
+# (to read), and per table a tag of its own (to filter on: a run of several tables has one per table).
+MIRROR_RUN_TAG = "pg2iceberg/mirror"
+TABLES_RUN_TAG = "pg2iceberg/tables"
+TABLE_RUN_TAG_PREFIX = "pg2iceberg/table."
+# Dagster tag keys: an optional namespace and a name of at most 63 of [A-Za-z0-9_.-] each.
+_TAG_NAME_MAX = 63
+_TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def table_run_tag(table_key: str) -> str:
+    """The run tag key that marks a run of ``table_key`` (``pg2iceberg/table.public.orders``).
+
+    The table key as it is when it fits Dagster's tag keys; else its other characters replaced by
+    ``_``, cut to length, and followed by 8 hex digits of its sha1, so two tables never share one."""
+    room = _TAG_NAME_MAX - len(TABLE_RUN_TAG_PREFIX.split("/", 1)[1])
+    safe = _TAG_UNSAFE.sub("_", table_key)
+    if safe != table_key or len(safe) > room:
+        digest = hashlib.sha1(table_key.encode(), usedforsecurity=False).hexdigest()[:8]
+        safe = f"{safe[: room - 9]}-{digest}"
+    return TABLE_RUN_TAG_PREFIX + safe
 
 
 @dataclass(frozen=True)
@@ -29,8 +53,8 @@ class Mirror:
     """The tables of one pipeline and the names of its Dagster objects.
 
     ``name`` prefixes them: the pipeline resource is ``<name>``, its Spark resource ``<name>_spark``,
-    the sensors ``<name>_flusher``, ``<name>_merge_automation``, ..., the jobs ``<name>_resync`` and
-    ``<name>_maintenance``, the pools ``<name>_snapshot`` and ``<name>_merge``."""
+    the sensors ``<name>_flusher``, ``<name>_merge``, ..., the jobs ``<name>_merge``, ``<name>_resync``
+    and ``<name>_maintenance``, the pools ``<name>_snapshot`` and ``<name>_merge``."""
 
     translator: Pg2IcebergTranslator
     name: str = DEFAULT_NAME
@@ -38,6 +62,9 @@ class Mirror:
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ConfigError(f"mirror name {self.name!r}: use letters, digits and _ (a Dagster name prefix)")
+        if self.translator.mirror_name != self.name:
+            # The translator names things after the mirror (its groups): it serves this one.
+            object.__setattr__(self, "translator", dataclasses.replace(self.translator, mirror_name=self.name))
 
     @property
     def config(self) -> PipelineConfig:
@@ -65,6 +92,15 @@ class Mirror:
     def key(self, table: TableConfig, role: str) -> AssetKey:
         """The asset key of the table's asset ``role``."""
         return self.spec(table, role).key
+
+    def run_tags(self, table_keys: Iterable[str]) -> dict[str, str]:
+        """The tags of a run of this mirror on ``table_keys``: the mirror, the tables, one tag per table."""
+        keys = sorted(table_keys)
+        return {
+            MIRROR_RUN_TAG: self.name,
+            TABLES_RUN_TAG: ",".join(keys),
+            **{table_run_tag(key): "true" for key in keys},
+        }
 
     def named(self, what: str) -> str:
         """The name of this mirror's ``what`` (a sensor, job or pool): ``<name>_<what>``."""

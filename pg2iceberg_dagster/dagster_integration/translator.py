@@ -30,6 +30,9 @@ _KINDS: dict[str, set[str]] = {
     "iceberg": {"iceberg", "spark"},
 }
 
+# The name of a mirror nobody named (``build_definitions`` without ``name=``).
+DEFAULT_NAME = "pg2iceberg"
+
 # Hex digits of sha1(schema.table) a table's names carry when they would collide with another table's;
 # longer only if two such suffixes meet (a sha1 prefix shared by two names).
 SUFFIX_HEX = 6
@@ -143,9 +146,14 @@ class Pg2IcebergTranslator:
     Names are the schema and table names with every character outside ``[A-Za-z0-9_]`` replaced by
     ``_``. Where that would give two tables the same asset key, op or partitions name, the tables
     involved carry a short hex suffix of sha1(schema.table) after their table part (``a_b_3f2c1a``);
-    every other table keeps its plain names."""
+    every other table keeps its plain names.
+
+    ``mirror_name`` is the name of the mirror the translator serves (the :class:`Mirror` sets it):
+    the default group of a table is ``<mirror>_<schema>``, so a deployment shared by several mirrors
+    (or teams) does not show one ``public`` group of everybody's tables."""
 
     config: PipelineConfig
+    mirror_name: str = DEFAULT_NAME
 
     @cached_property
     def _suffixes(self) -> dict[str, str]:
@@ -172,7 +180,8 @@ class Pg2IcebergTranslator:
         return AssetKey([*namespace, f"{name}_snapshot"])
 
     def group_name(self, table: TableConfig) -> str:
-        return _safe(table.schema_name)
+        """The table's asset group: ``<mirror>_<schema>`` (override to group otherwise)."""
+        return f"{self.mirror_name}_{_safe(table.schema_name)}"
 
     def get_asset_spec(self, table: TableConfig, role: str) -> AssetSpec:
         """The spec of the table's asset ``role`` (one of :data:`ROLES`). Its deps are the specs of its

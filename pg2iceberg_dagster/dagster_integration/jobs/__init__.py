@@ -1,6 +1,8 @@
-"""The mirror's jobs that are not asset materializations: the online resync and the maintenance of one table."""
+"""The mirror's jobs: the merge job (runs of the live tables' merges, tagged with their tables), and
+the online resync and the maintenance of one table (named by the run config)."""
 
 from .maintenance import maintenance_job
+from .merge import merge_job
 from .resync import resync_job
 
-__all__ = ["maintenance_job", "resync_job"]
+__all__ = ["maintenance_job", "merge_job", "resync_job"]

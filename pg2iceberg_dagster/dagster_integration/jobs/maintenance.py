@@ -1,24 +1,24 @@
-"""Maintenance of one table as a job partitioned by table: launched by the maintenance sensor when a
-table is due (its interval passed, or its files call for compaction), or from the UI on a partition.
+"""Maintenance of one table, named by the run config (``table``): launched by the maintenance sensor
+when a table is due (its interval passed, or its files call for compaction), or from the launchpad.
 Each pass reports an observation of the table's Iceberg asset whose numbers the UI plots."""
 
 from dagster import AssetObservation, JobDefinition, MetadataValue, OpExecutionContext, op
 
 from ..mirror import Mirror
-from .per_table import per_table_job
+from .per_table import TABLE_CONFIG_SCHEMA, chosen_table, per_table_job
 
 
 def maintenance_job(mirror: Mirror) -> JobDefinition:
-    """The mirror's maintenance job (``<name>_maintenance``): its partition names the table."""
-    tables = {table.key: table for table in mirror.tables}
+    """The mirror's maintenance job (``<name>_maintenance``): the run config names the table."""
 
     @op(
         name=mirror.named("maintain_table"),
+        config_schema=TABLE_CONFIG_SCHEMA,
         description="compact files, expire snapshots, delete orphan and applied staged files",
         required_resource_keys={mirror.resource_key, mirror.spark_resource_key},
     )
     def _maintain(context: OpExecutionContext) -> None:
-        table = tables[context.partition_key]
+        table = chosen_table(mirror, context)
         reason = context.run.tags.get("pg2iceberg/maintenance_reason", "requested")
         spark_factory = mirror.spark_resource(context).get_session
         with mirror.pipeline_resource(context).pipeline(spark_factory=spark_factory) as pipeline:
@@ -47,7 +47,7 @@ def maintenance_job(mirror: Mirror) -> JobDefinition:
     return per_table_job(
         mirror,
         "maintenance",
-        "Maintain one table's Iceberg files (pick the table as the partition): compaction, "
+        "Maintain one table's Iceberg files (the run config's table names it): compaction, "
         "snapshot expiry, orphan files, applied staged files. Merges of the table wait while it runs.",
         _maintain,
     )

@@ -1,24 +1,25 @@
-"""The online resync of one table as a job partitioned by table: launch it from the UI on a table's
-partition, or let the resync sensor launch it when a merge found a change the WAL cannot follow.
+"""The online resync of one table: launch it from the UI's launchpad with the table in its run config
+(``ops: {<mirror>_resync_table: {config: {table: public.orders}}}``), or let the resync sensor launch
+it when a merge found a change the WAL cannot follow.
 The copy reports a materialization of the table's live Iceberg asset (its rows were replaced)."""
 
 from dagster import AssetMaterialization, JobDefinition, MetadataValue, OpExecutionContext, op
 
 from ..mirror import Mirror
-from .per_table import per_table_job
+from .per_table import TABLE_CONFIG_SCHEMA, chosen_table, per_table_job
 
 
 def resync_job(mirror: Mirror) -> JobDefinition:
-    """The mirror's resync job (``<name>_resync``): its partition names the table."""
-    tables = {table.key: table for table in mirror.tables}
+    """The mirror's resync job (``<name>_resync``): the run config names the table."""
 
     @op(
         name=mirror.named("resync_table"),
+        config_schema=TABLE_CONFIG_SCHEMA,
         description="copy the table again under a new snapshot, switch it in one commit",
         required_resource_keys={mirror.resource_key},
     )
     def _resync(context: OpExecutionContext) -> None:
-        table = tables[context.partition_key]
+        table = chosen_table(mirror, context)
         with mirror.pipeline_resource(context).pipeline() as pipeline:
             result = pipeline.resync(table.key)
             summary = pipeline.iceberg_summary(table.key)
@@ -44,7 +45,7 @@ def resync_job(mirror: Mirror) -> JobDefinition:
     return per_table_job(
         mirror,
         "resync",
-        "Resync one table online (pick the table as the partition): the others keep streaming "
+        "Resync one table online (the run config's table names it): the others keep streaming "
         "and merging, readers see the old table until one Iceberg commit switches it.",
         _resync,
     )

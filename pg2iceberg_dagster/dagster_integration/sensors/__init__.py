@@ -1,16 +1,17 @@
-"""The mirror's sensors: the WAL flusher, CTID partition planning, merge and snapshot automation,
+"""The mirror's sensors: the WAL flusher, CTID partition planning, snapshot automation, merges,
 resyncs, maintenance."""
 
-from .automation import merge_automation_sensor, snapshot_automation_sensor
+from .automation import snapshot_automation_sensor
 from .flusher import flusher_sensor
 from .maintenance import maintenance_sensor
+from .merge import merge_sensor
 from .resync import resync_sensor
 from .snapshot_planner import snapshot_planner_sensor
 
 __all__ = [
     "flusher_sensor",
     "maintenance_sensor",
-    "merge_automation_sensor",
+    "merge_sensor",
     "resync_sensor",
     "snapshot_automation_sensor",
     "snapshot_planner_sensor",

@@ -1,5 +1,5 @@
 """What the mirror's sensors share: their pipeline resource, found under the mirror's key, and the runs
-of a job already under way for a partition (a sensor launches one at a time per table)."""
+of a job already under way for a table (a sensor launches one at a time per table)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -14,10 +14,10 @@ from dagster import (
     sensor,
 )
 
-from ..mirror import Mirror
+from ..mirror import Mirror, table_run_tag
 from ..resources import Pg2IcebergResource
 
-_UNFINISHED = [
+UNFINISHED = [
     DagsterRunStatus.QUEUED,
     DagsterRunStatus.NOT_STARTED,
     DagsterRunStatus.STARTING,
@@ -42,10 +42,10 @@ def mirror_sensor(mirror: Mirror, what: str, **sensor_args: Any) -> Callable[[Ti
     return decorate
 
 
-def run_in_flight(context: SensorEvaluationContext, job_name: str, partition_key: str) -> bool:
-    """Whether a run of ``job_name`` for ``partition_key`` is queued or running."""
+def run_in_flight(context: SensorEvaluationContext, job_name: str, table_key: str) -> bool:
+    """Whether a run of ``job_name`` on the table ``table_key`` (its tag) is queued or running."""
     runs = context.instance.get_runs(
-        filters=RunsFilter(job_name=job_name, statuses=_UNFINISHED, tags={"dagster/partition": partition_key}),
+        filters=RunsFilter(job_name=job_name, statuses=UNFINISHED, tags={table_run_tag(table_key): "true"}),
         limit=1,
     )
     return bool(runs)

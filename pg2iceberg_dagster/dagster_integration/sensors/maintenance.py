@@ -6,13 +6,13 @@ import json
 from dagster import (
     DefaultSensorStatus,
     JobDefinition,
-    RunRequest,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
 )
 
+from ..jobs.per_table import table_run_request
 from ..mirror import Mirror
 from ..resources import Pg2IcebergResource
 from .base import mirror_sensor, run_in_flight
@@ -39,7 +39,7 @@ def maintenance_sensor(mirror: Mirror, job: JobDefinition) -> SensorDefinition:
             due, cursors = pipeline.maintenance_due(seen)
         context.update_cursor(json.dumps({key: at for key, at in cursors.items() if key not in due}))
         runs = [
-            RunRequest(partition_key=key, tags={"pg2iceberg/maintenance_reason": reason[:200]})
+            table_run_request(mirror, job, key, {"pg2iceberg/maintenance_reason": reason[:200]})
             for key, reason in due.items()
             if not run_in_flight(context, job.name, key)
         ]

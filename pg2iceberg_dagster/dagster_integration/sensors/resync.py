@@ -4,13 +4,13 @@ per table at a time)."""
 from dagster import (
     DefaultSensorStatus,
     JobDefinition,
-    RunRequest,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
 )
 
+from ..jobs.per_table import table_run_request
 from ..mirror import Mirror
 from ..resources import Pg2IcebergResource
 from .base import mirror_sensor, run_in_flight
@@ -35,7 +35,7 @@ def resync_sensor(mirror: Mirror, job: JobDefinition) -> SensorDefinition:
         for table_key, reason in pending.items():
             if not run_in_flight(context, job.name, table_key):
                 context.log.info("resync %s: %s", table_key, reason)
-                runs.append(RunRequest(partition_key=table_key, tags={"pg2iceberg/resync_reason": reason[:200]}))
+                runs.append(table_run_request(mirror, job, table_key, {"pg2iceberg/resync_reason": reason[:200]}))
         if not runs:
             return SkipReason("no table waits for a resync" if not pending else "its resync is running")
         return SensorResult(run_requests=runs)

@@ -55,8 +55,15 @@ def _done_elsewhere(
         AssetMaterialization(
             asset_key=mirror.key(table, "snapshot"),
             partition=chunk.partition_key,
-            description="read by another process of the pipeline",
-            metadata={"snapshot_epoch": chunk.epoch if chunk.epoch is not None else -1},
+            # No Dagster run read it (the UI shows no run): say who did, and what it wrote.
+            description="read outside this Dagster run history: by the CLI (`snapshot`, `run`), or by a run "
+            f"that ended before reporting it; reported by {mirror.named('snapshot_planner')}",
+            metadata={
+                "snapshot_epoch": chunk.epoch if chunk.epoch is not None else -1,
+                "rows_written": chunk.rows if chunk.rows is not None else -1,
+                "read_by": "another process of the pipeline (no Dagster run)",
+                "reported_by": mirror.named("snapshot_planner"),
+            },
         )
         for chunk in plan.chunks
         if chunk.done and chunk.epoch == plan.epoch and chunk.partition_key not in materialized
