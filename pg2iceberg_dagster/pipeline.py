@@ -376,11 +376,10 @@ class Pipeline:
 
     def lags(self) -> dict[str, tuple[Lag, float]]:
         """Per staged table, its unmerged changes and how many seconds the Iceberg table is behind the
-        source: 0 with nothing unmerged, else the age of the oldest unmerged change, counted from when
-        the flusher registered the staged file holding it (``log_index.created_at``, the state
-        database's clock). That is the staging time, not the source commit time: the log index does
-        not record commit timestamps (they are only inside the Parquet files), so a change that
-        waited in the flusher (a flush interval, or a flusher outage) counts from when it was staged."""
+        source: 0 with nothing unmerged, else the age of the oldest unmerged change, counted from its
+        source commit time (the earliest commit of the staged file holding it, recorded in
+        ``log_index.first_commit_at``; a file staged before that column existed counts from when it was
+        registered), by the state database's clock (see :meth:`CoordinationStore.lags`)."""
         self.store.migrate()
         return self.store.lags(self.config.materialize.group)
 

@@ -87,6 +87,7 @@ def test_flusher_ticks_report_lag_the_slot_and_what_they_did(source: SourceDb, t
     staged_log = AssetKey(["staged_log", "public", "orders_staged_log"])
 
     with instance_for_test() as instance:
+        ((before_commit,),) = source.execute("SELECT clock_timestamp()")
         source.execute("INSERT INTO public.orders SELECT g, 'new' FROM generate_series(101, 150) g")
         ticked = _tick(flusher, instance, config_path)
         assert isinstance(ticked, SensorResult) and not ticked.run_requests
@@ -96,7 +97,12 @@ def test_flusher_ticks_report_lag_the_slot_and_what_they_did(source: SourceDb, t
         assert ticked.skip_reason.skip_message == f"staged 50 changes of 1 tables up to LSN {flushed}"
         staged = _events(ticked, AssetMaterialization)[staged_log].metadata
         assert staged["changes_staged"].value == 50 and staged["lag"].value == 50
-        assert staged["lag_seconds"].value >= 0  # the age of the oldest unmerged change, by the state clock
+        assert staged["lag_seconds"].value >= 0  # the age of the oldest unmerged change
+        # ...counted from its source commit time, which the log index records per staged file.
+        ((first_commit, registered),) = source.execute(
+            "SELECT first_commit_at, created_at FROM _pg2iceberg.log_index WHERE table_name = 'public.orders'"
+        )
+        assert before_commit <= first_commit <= registered
 
         # The slot's observation is what pg_replication_slots shows (read after the tick: nothing moved).
         observed = _events(ticked, AssetObservation)[SLOT_KEY].metadata
