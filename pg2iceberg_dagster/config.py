@@ -190,6 +190,11 @@ class ReplicationConfig(_Strict):
     # slot and write into each Iceberg table only its differences from the source (see repair.py);
     # ``refuse`` stops them, naming ``pg2iceberg-dagster repair`` as the way back.
     on_slot_lost: Literal["repair", "refuse"] = "repair"
+    # The slot's health (validation.slot_safety; Dagster's ``slot_safe`` check) warns when it can retain
+    # less than this fraction of max_slot_wal_keep_size more WAL before losing some...
+    slot_warn_safe_wal_fraction: float = Field(0.2, ge=0, le=1)
+    # ...or when nothing has streamed from it for this long (PostgreSQL 17+ records since when).
+    slot_inactive_warn_seconds: float = Field(600.0, gt=0)
 
 
 class S3Config(_Strict):
@@ -411,6 +416,18 @@ class MetricsConfig(_Strict):
     host: str = "127.0.0.1"
 
 
+class DagsterConfig(_Strict):
+    """How the mirror shows its health in Dagster. Each live Iceberg table asset carries a time-window
+    freshness policy: WARN once its last materialization is ``freshness_warn_seconds`` old, FAIL at
+    ``freshness_fail_seconds`` (Dagster needs both at least 60 s, warn below fail). Unset, they derive
+    from the flush and merge cadence: warn at 20 x (flush.interval_seconds + materialize.interval_seconds),
+    300 s by default, and fail at 3 x warn. ``freshness: false`` leaves the policies off."""
+
+    freshness: bool = True
+    freshness_warn_seconds: float | None = Field(None, ge=60)
+    freshness_fail_seconds: float | None = Field(None, ge=60)
+
+
 class SchemaSelection(_Strict):
     """Every table of a schema whose name matches an ``include`` glob and no ``exclude`` glob
     (ordinary and partitioned tables, not partitions): ``{schema: app, exclude: ["tmp_*"]}`` in
@@ -443,6 +460,7 @@ class PipelineConfig(_Strict):
     values: ValuesConfig = ValuesConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
     metrics: MetricsConfig = MetricsConfig()
+    dagster: DagsterConfig = DagsterConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -460,6 +478,28 @@ class PipelineConfig(_Strict):
                     "schemas": [*data.get("schemas", []), *selections],
                 }
         return data
+
+    def freshness_windows(self) -> tuple[float | None, float] | None:
+        """(warn, fail) seconds of the live tables' freshness policy (see :class:`DagsterConfig`), None
+        when off; warn is None when only a fail window of at most 60 s is set (Dagster's minimum)."""
+        settings = self.dagster
+        if not settings.freshness:
+            return None
+        derived = max(60.0, 20 * (self.flush.interval_seconds + self.materialize.interval_seconds))
+        warn: float | None = settings.freshness_warn_seconds or derived
+        fail = settings.freshness_fail_seconds or 3 * (warn or derived)
+        if settings.freshness_warn_seconds is None and warn is not None and warn >= fail:
+            warn = fail / 3 if fail / 3 >= 60 else None
+        return warn, fail
+
+    @model_validator(mode="after")
+    def _freshness_order(self) -> PipelineConfig:
+        windows = self.freshness_windows()
+        if windows and windows[0] is not None and windows[0] >= windows[1]:
+            raise ValueError(
+                f"dagster.freshness_warn_seconds ({windows[0]:g}) must be below freshness_fail_seconds ({windows[1]:g})"
+            )
+        return self
 
     @field_validator("tables")
     @classmethod

@@ -39,8 +39,8 @@ from .errors import Pg2IcebergError
 from .iceberg.catalog import open_catalog
 from .maintenance.health import summary_health
 from .source.connection import connect
-from .source.lsn import parse_lsn
 from .tables import MirroredTables
+from .validation import slot_info
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -199,19 +199,14 @@ class PipelineCollector(Collector):
 
     def _read_source(self, config: PipelineConfig, families: _Families) -> None:
         conn = self._connection("source", config.source)
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::text, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::float8, "
-            "active FROM pg_replication_slots WHERE slot_name = %s",
-            (config.replication.slot,),
-        ).fetchone()
-        if row is None:
+        slot = slot_info(conn, config.replication.slot)
+        if slot is None:
             return  # not created yet (before the first snapshot): nothing retained, nothing to report
-        confirmed, retained, active = row
-        if confirmed is not None:
-            families.set("pg2iceberg_slot_confirmed_flush_lsn", parse_lsn(confirmed))
-        if retained is not None:  # None once the slot has lost its WAL (wal_status 'lost')
-            families.set("pg2iceberg_slot_retained_wal_bytes", retained)
-        families.set("pg2iceberg_slot_active", 1.0 if active else 0.0)
+        if slot.confirmed_flush_lsn is not None:
+            families.set("pg2iceberg_slot_confirmed_flush_lsn", slot.confirmed_flush_lsn)
+        if slot.retained_wal_bytes is not None:  # None once the slot has lost its WAL (wal_status 'lost')
+            families.set("pg2iceberg_slot_retained_wal_bytes", slot.retained_wal_bytes)
+        families.set("pg2iceberg_slot_active", 1.0 if slot.active else 0.0)
 
     def _read_state(self, config: PipelineConfig, families: _Families) -> None:
         conn = self._connection("state", config.state_connection)

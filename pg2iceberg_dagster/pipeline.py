@@ -38,7 +38,7 @@ from .source.lsn import format_lsn
 from .source.selection import resolve_tables, resolve_tables_left_out
 from .staging.store import ObjectStore
 from .tables import MirroredTable, MirroredTables
-from .validation import StartupReport, check_startup, slot_info
+from .validation import SlotInfo, StartupReport, check_startup, slot_info, slot_safety
 from .verify import TableDiff, compare_table
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "TableCheckReport",
     "TableDiff",
     "TableHealth",
+    "TableProgress",
     "TableRepairResult",
     "TableSnapshotResult",
     "TableStatus",
@@ -107,11 +108,31 @@ class SnapshotPlan:
 
 
 @dataclass(frozen=True)
+class TableProgress:
+    """Where one table stands after a flusher tick: the changes the tick staged, the unmerged ``lag``
+    (in changes) and ``lag_seconds`` (see :meth:`Pipeline.lags`), and whether the Iceberg table is
+    ``current``: its snapshot is complete, no resync replaces it and nothing is left to merge, so it
+    holds every change of the source through the tick's flushed LSN."""
+
+    staged: int
+    lag: Lag
+    lag_seconds: float
+    current: bool
+
+
+@dataclass(frozen=True)
 class FlushTick:
-    """What one bounded run of the flusher staged: per table with changes, their count and the lag."""
+    """What one bounded run of the flusher did: where each configured table stands (those it staged
+    changes of have ``staged`` > 0), and the replication slot as the tick left it."""
 
     flushed_lsn: int
-    staged: dict[str, tuple[int, Lag]]
+    tables: dict[str, TableProgress]
+    slot: SlotInfo | None
+
+    @property
+    def staged(self) -> dict[str, TableProgress]:
+        """The tables this tick staged changes of."""
+        return {key: progress for key, progress in self.tables.items() if progress.staged}
 
     @property
     def flushed_lsn_text(self) -> str:
@@ -375,9 +396,29 @@ class Pipeline:
         merges_elsewhere = threading.Event()
         merges_elsewhere.set()
         stats = self.stream(max_seconds=max_seconds, merge_idle=merges_elsewhere)
-        lags = self.store.lags(self.config.materialize.group)  # one query for every table staged
-        staged = {key: (count, lags[key][0]) for key, count in stats.rows_by_table.items() if count}
-        return FlushTick(stats.flushed_lsn, staged)
+        lags = self.lags()  # one query for every table
+        states = self.store.table_states()
+        tables = {}
+        for key in self.tables:
+            lag, seconds = lags.get(key, (Lag(), 0.0))
+            state = states.get(key)
+            current = lag.changes == 0 and state is not None and state.mergeable
+            tables[key] = TableProgress(stats.rows_by_table.get(key, 0), lag, seconds, current)
+        return FlushTick(stats.flushed_lsn, tables, self.slot())
+
+    def lags(self) -> dict[str, tuple[Lag, float]]:
+        """Per staged table, its unmerged changes and how many seconds the Iceberg table is behind the
+        source: 0 with nothing unmerged, else the age of the oldest unmerged change, counted from its
+        source commit time (the earliest commit of the staged file holding it, recorded in
+        ``log_index.first_commit_at``; a file staged before that column existed counts from when it was
+        registered), by the state database's clock (see :meth:`CoordinationStore.lags`)."""
+        self.store.migrate()
+        return self.store.lags(self.config.materialize.group)
+
+    def slot(self) -> SlotInfo | None:
+        """The replication slot as ``pg_replication_slots`` shows it now (None when it does not exist)."""
+        with connect(self.config.source) as conn:
+            return slot_info(conn, self.config.replication.slot)
 
     def iceberg_summary(self, table_key: str) -> IcebergTableSummary:
         """The mirror table's columns, row count and current snapshot."""
@@ -458,8 +499,7 @@ class Pipeline:
     def status(self) -> dict[str, Any]:
         """Replication and per-table progress, as plain data."""
         self.store.migrate()
-        with connect(self.config.source) as conn:
-            slot = slot_info(conn, self.config.replication.slot)
+        slot = self.slot()
         states = self.store.table_states()
         tables = []
         for table in self.config.tables:
@@ -486,6 +526,10 @@ class Pipeline:
                 "confirmed_flush_lsn": format_lsn(slot.confirmed_flush_lsn) if slot.confirmed_flush_lsn else None,
                 "wal_status": slot.wal_status,
                 "active_pid": slot.active_pid,
+                "restart_lsn": format_lsn(slot.restart_lsn) if slot.restart_lsn else None,
+                "retained_wal_bytes": slot.retained_wal_bytes,
+                "safe_wal_size_bytes": slot.safe_wal_size_bytes,
+                "safety": slot_safety(slot, self.config.replication).level,
             },
             "flushed_lsn": format_lsn(flushed) if flushed is not None else None,
             # A holder keeping an exported snapshot open (the source's xmin is held back meanwhile).

@@ -5,11 +5,13 @@ from __future__ import annotations
 import shlex
 import time
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
 
 import psycopg
 from psycopg import sql
 
-from .config import PipelineConfig, TableConfig
+from .config import PipelineConfig, ReplicationConfig, TableConfig
 from .coordination.records import SLOT_LOST_REASON, PipelineMeta, TableState
 from .coordination.store import CoordinationStore
 from .errors import SlotLostError, StartupCheckError, UnsupportedTypeError
@@ -25,11 +27,34 @@ SLOT_RECORD_WAIT_SECONDS = 30.0
 
 @dataclass(frozen=True)
 class SlotInfo:
+    """The replication slot as ``pg_replication_slots`` shows it (one implementation, read by the
+    startup checks, ``status``, the metrics and the Dagster slot asset).
+
+    ``retained_wal_bytes`` is the WAL the slot holds back (from ``restart_lsn`` to the current WAL
+    position; None once the slot lost its WAL); ``safe_wal_size_bytes`` (PG13+) how much more WAL can be
+    written before the slot is in danger of losing WAL (None when ``max_slot_wal_keep_size`` is -1,
+    unlimited); ``max_slot_wal_keep_size_bytes`` that setting (None: unlimited); ``inactive_seconds``
+    how long no process has streamed from it (PG17+ ``inactive_since``; None below 17 or while active)."""
+
     plugin: str
     database: str
     confirmed_flush_lsn: int | None
     wal_status: str | None
     active_pid: int | None
+    active: bool = False
+    restart_lsn: int | None = None
+    retained_wal_bytes: int | None = None
+    safe_wal_size_bytes: int | None = None
+    max_slot_wal_keep_size_bytes: int | None = None
+    inactive_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class SlotSafety:
+    """How safe the slot is: ``level`` ok, warn (act before it loses WAL) or error (it has)."""
+
+    level: Literal["ok", "warn", "error"]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -58,14 +83,76 @@ def identify_system(config: PipelineConfig) -> str:
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
+    """The slot ``slot`` as the server shows it now, None when it does not exist. Reads the row as JSON,
+    so columns a server version lacks (``inactive_since`` before 17) are simply absent."""
     row = conn.execute(
-        "SELECT plugin, database, confirmed_flush_lsn::text, wal_status, active_pid "
-        "FROM pg_replication_slots WHERE slot_name = %s",
+        "SELECT to_jsonb(s), pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::float8, now(), "
+        "(SELECT setting::bigint * 1024 * 1024 FROM pg_settings WHERE name = 'max_slot_wal_keep_size' "
+        "AND unit = 'MB') FROM pg_replication_slots s WHERE s.slot_name = %s",
         (slot,),
     ).fetchone()
     if row is None:
         return None
-    return SlotInfo(row[0], row[1], parse_lsn(row[2]) if row[2] else None, row[3], row[4])
+    fields, retained, now, max_keep = row
+    inactive_since = fields.get("inactive_since")
+    inactive = None
+    if inactive_since and not fields.get("active"):
+        inactive = max(0.0, (now - datetime.fromisoformat(inactive_since)).total_seconds())
+    return SlotInfo(
+        plugin=fields["plugin"],
+        database=fields["database"],
+        confirmed_flush_lsn=parse_lsn(fields["confirmed_flush_lsn"]) if fields.get("confirmed_flush_lsn") else None,
+        wal_status=fields.get("wal_status"),
+        active_pid=fields.get("active_pid"),
+        active=bool(fields.get("active")),
+        restart_lsn=parse_lsn(fields["restart_lsn"]) if fields.get("restart_lsn") else None,
+        retained_wal_bytes=int(retained) if retained is not None else None,
+        safe_wal_size_bytes=fields.get("safe_wal_size"),
+        max_slot_wal_keep_size_bytes=int(max_keep) if max_keep is not None and max_keep >= 0 else None,
+        inactive_seconds=inactive,
+    )
+
+
+def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafety:
+    """Whether the slot can still deliver every change, and for how long.
+
+    error: the slot is gone, or lost WAL (``wal_status`` lost): the mirror must be snapshotted again.
+    warn: ``wal_status`` unreserved (past ``max_slot_wal_keep_size``: the next checkpoint may remove its
+    WAL); or ``safe_wal_size`` below ``slot_warn_safe_wal_fraction`` of ``max_slot_wal_keep_size``; or
+    no process streamed from it for ``slot_inactive_warn_seconds`` (PG17+, which records since when).
+    A slot that is merely inactive between the Dagster flusher's ticks is normal."""
+    name = settings.slot
+    if slot is None:
+        return SlotSafety("error", f"replication slot {name} does not exist")
+    if slot.wal_status == "lost":
+        return SlotSafety(
+            "error",
+            f"replication slot {name} has lost required WAL (wal_status lost): run cleanup --all and snapshot again",
+        )
+    if slot.wal_status == "unreserved":
+        return SlotSafety(
+            "warn",
+            f"replication slot {name} retains more WAL than max_slot_wal_keep_size (wal_status unreserved): "
+            "the next checkpoint may remove WAL it needs; let the flusher catch up",
+        )
+    keep = slot.max_slot_wal_keep_size_bytes
+    if (
+        keep
+        and slot.safe_wal_size_bytes is not None
+        and slot.safe_wal_size_bytes < settings.slot_warn_safe_wal_fraction * keep
+    ):
+        return SlotSafety(
+            "warn",
+            f"replication slot {name} can retain only {slot.safe_wal_size_bytes} more bytes of WAL "
+            f"(under {settings.slot_warn_safe_wal_fraction:.0%} of max_slot_wal_keep_size {keep}): the flusher lags",
+        )
+    if slot.inactive_seconds is not None and slot.inactive_seconds >= settings.slot_inactive_warn_seconds:
+        return SlotSafety(
+            "warn",
+            f"nothing has streamed from replication slot {name} for {slot.inactive_seconds:.0f} s: "
+            "is the flusher running?",
+        )
+    return SlotSafety("ok", f"replication slot {name} is {slot.wal_status or 'reserved'}")
 
 
 def _check_server(conn: psycopg.Connection) -> None:

@@ -191,7 +191,9 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: 
         for key in (f"pg/billing/{table}_source", f"staged_log/billing/{table}_staged_log", f"iceberg/billing/{table}"):
             assert f"billing/{key}" in assets
     assert "pg/public/named_source" in assets
-    assert len(assets) == 4 * (1 + 2 + 1) + 1, "four per table (mirror, billing's two, offline) and the team's"
+    assert len(assets) == 4 * (1 + 2 + 1) + 3 + 1, (
+        "four per table (mirror, billing's two, offline), a slot per mirror and the team's"
+    )
     billing = assets["billing/iceberg/billing/orders"]
     assert _field(billing, "group_name", "group") == "billing_billing"
     assert "billing" in json.dumps(billing["owners"])
@@ -210,7 +212,7 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: 
     assert resources == {
         f"{mirror}{suffix}" for mirror in ("mirror", "billing", "offline") for suffix in ("", "_spark")
     }
-    assert len(listed["asset_checks"]) == 4 * 4  # four checks per live table
+    assert len(listed["asset_checks"]) == 4 * 4 + 3  # four checks per live table, slot_safe per mirror
 
 
 def _written() -> list[tuple[str, float]]:

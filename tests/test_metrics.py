@@ -70,9 +70,10 @@ def _retained_wal(source: SourceDb, slot: str) -> float:
 
 
 def _oldest_unmerged_age(pipeline: Pipeline, cursor: int) -> float:
-    """Seconds since the oldest staged file holding an unmerged change was registered, read directly."""
+    """Seconds since the earliest source commit in the staged files holding an unmerged change, read
+    directly."""
     row = pipeline.store.conn.execute(
-        "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM _pg2iceberg.log_index "
+        "SELECT extract(epoch FROM now() - min(first_commit_at))::float8 FROM _pg2iceberg.log_index "
         "WHERE table_name = %s AND end_offset > %s",
         (TABLE, cursor),
     ).fetchone()

@@ -44,7 +44,8 @@ class InMemoryCoordinationStore:
         self._flushed_lsn: int | None = None
         self._next_offset: dict[str, int] = {}  # log_seq
         self._log: dict[str, list[LogEntry]] = {}  # log_index, in offset order
-        self._registered_at: dict[tuple[str, int], float] = {}  # (table, start offset) -> time.monotonic()
+        # (table, start offset) -> the file's earliest commit time, else its registration (time.time())
+        self._registered_at: dict[tuple[str, int], float] = {}
         self._cursors: dict[tuple[str, str], _Cursor] = {}  # mat_cursor by (group, table)
         self._consumers: dict[tuple[str, str], str] = {}  # the worker that last took each lease
         self._leased: set[tuple[str, str]] = set()  # leases held now
@@ -177,9 +178,11 @@ class InMemoryCoordinationStore:
                     )
                 )
             self._next_offset = next_offset
-            for entry in entries:
+            now = time.time()
+            for entry, staged in zip(entries, files, strict=True):
                 self._log.setdefault(entry.table_name, []).append(entry)
-                self._registered_at[(entry.table_name, entry.start_offset)] = time.monotonic()
+                since = staged.first_commit_us / 1e6 if staged.first_commit_us is not None else now
+                self._registered_at[(entry.table_name, entry.start_offset)] = since
             self._advance_flushed_lsn(flushed_lsn)
             return entries
 
@@ -215,16 +218,16 @@ class InMemoryCoordinationStore:
             return Lag(cursor.next_offset if cursor else 0, self._next_offset.get(table_name, 0))
 
     def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
-        """Every staged table's :meth:`lag` for ``group``, with the seconds since the file holding its
-        oldest unmerged change was registered (0 when none)."""
-        now = time.monotonic()
+        """Every staged table's :meth:`lag` for ``group``, with the seconds since the earliest commit
+        in the file holding its oldest unmerged change (else since it was registered; 0 when none)."""
+        now = time.time()
         with self._lock:
             result: dict[str, tuple[Lag, float]] = {}
             for table_name, head in self._next_offset.items():
                 cursor = self._cursors.get((group, table_name))
                 lag = Lag(cursor.next_offset if cursor else 0, head)
                 oldest = next((e for e in self._log.get(table_name, []) if e.end_offset > lag.mat_cursor), None)
-                age = now - self._registered_at[(table_name, oldest.start_offset)] if oldest else 0.0
+                age = max(0.0, now - self._registered_at[(table_name, oldest.start_offset)]) if oldest else 0.0
                 result[table_name] = (lag, age)
             return result
 

@@ -165,6 +165,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.tables ALTER COLUMN staging_layout SET DEFAULT 2;
         """,
     ),
+    (
+        9,
+        """
+        -- The earliest source commit time of a staged file's changes: lag in seconds counts from it
+        -- (CoordinationStore.lags); NULL for files staged before, which count from created_at.
+        ALTER TABLE _pg2iceberg.log_index ADD COLUMN first_commit_at timestamptz;
+        """,
+    ),
 ]
 
 

@@ -103,6 +103,8 @@ class StagedFile:
     byte_size: int
     first_lsn: int
     flushable_lsn: int
+    # The earliest source commit time of its changes, Unix microseconds (None: not known).
+    first_commit_us: int | None = None
 
 
 @dataclass(frozen=True)

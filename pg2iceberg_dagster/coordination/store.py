@@ -323,7 +323,8 @@ class CoordinationStore:
                     cursor.nextset()
                 cursor.executemany(
                     "INSERT INTO _pg2iceberg.log_index (table_name, start_offset, end_offset, path, first_lsn, "
-                    "flushable_lsn, row_count, byte_size) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    "flushable_lsn, row_count, byte_size, first_commit_at) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, to_timestamp(%s::float8 / 1e6))",
                     [
                         (
                             entry.table_name,
@@ -334,8 +335,9 @@ class CoordinationStore:
                             format_lsn(entry.flushable_lsn),
                             entry.row_count,
                             entry.byte_size,
+                            staged.first_commit_us,
                         )
-                        for entry in entries
+                        for entry, staged in zip(entries, files, strict=True)
                     ],
                 )
             self.record_flushed_lsn(flushed_lsn)
@@ -395,13 +397,16 @@ class CoordinationStore:
 
     def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
         """Every staged table's :meth:`lag` for ``group``, with the age in seconds of its oldest
-        unmerged staged change (0 when none): the time since the file holding it was registered, by
-        the state database's clock. One query, cheap however long the log: it reads only the entry
-        holding the cursor (through the primary key), not the applied entries cleanup has not
-        deleted yet."""
+        unmerged staged change (0 when none): the time since the earliest source commit in the file
+        holding it (``first_commit_at``, by the source's clock), or, for a file staged before that was
+        recorded, since the file was registered (``created_at``), against the state database's clock
+        (never below 0: the two clocks may differ when the state is on another server). One query,
+        cheap however long the log: it reads only the entry holding the cursor (through the primary
+        key), not the applied entries cleanup has not deleted yet."""
         rows = self.conn.execute(
             "SELECT s.table_name, c.cursor, s.next_offset, coalesce(("
-            "  SELECT extract(epoch FROM now() - i.created_at)::float8 FROM _pg2iceberg.log_index i"
+            "  SELECT greatest(0, extract(epoch FROM now() - coalesce(i.first_commit_at, i.created_at)))::float8"
+            "  FROM _pg2iceberg.log_index i"
             "  WHERE i.table_name = s.table_name AND i.end_offset > c.cursor AND i.start_offset >= coalesce(("
             "    SELECT max(j.start_offset) FROM _pg2iceberg.log_index j"
             "    WHERE j.table_name = s.table_name AND j.start_offset <= c.cursor), 0)"

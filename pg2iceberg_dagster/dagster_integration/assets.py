@@ -84,8 +84,10 @@ def snapshot_asset(mirror: Mirror, table: TableConfig) -> AssetsDefinition:
 
 
 def _merge_metadata(
-    mirror: Mirror, table: TableConfig, result: MergeResult, summary: IcebergTableSummary
+    mirror: Mirror, table: TableConfig, result: MergeResult, summary: IcebergTableSummary, lag_seconds: float
 ) -> dict[str, Any]:
+    """What a merge materialization carries; ``lag_seconds`` is how far the table is behind the source
+    (0 when the merge left nothing unmerged, see :meth:`Pipeline.lags`)."""
     return {
         "dagster/table_name": mirror.iceberg_table_name(table),
         "dagster/column_schema": _table_schema(summary),
@@ -97,6 +99,7 @@ def _merge_metadata(
         "mat_cursor": result.lag.mat_cursor,
         "log_head": result.lag.log_head,
         "lag": result.lag.changes,
+        "lag_seconds": round(lag_seconds, 3),
         "last_lsn": result.last_lsn_text,
         "schema_changes": MetadataValue.json(list(result.schema_changes)),
         # A change the WAL cannot follow: merges wait for the resync job (its sensor launches it).
@@ -216,7 +219,9 @@ def _report_merge(
         log.warning("%s waits for an online resync: %s", table.key, result.resync_reason)
     summary = pipeline.iceberg_summary(table.key)
     health = pipeline.file_health(table.key)
-    metadata = _merge_metadata(mirror, table, result, summary)
+    # The age of the oldest change still unmerged (one read of the state), 0 when the merge left none.
+    lag_seconds = pipeline.lags().get(table.key, (result.lag, 0.0))[1] if result.lag.changes else 0.0
+    metadata = _merge_metadata(mirror, table, result, summary, lag_seconds)
     # Plotted per merge: how files and snapshots grow between maintenance passes.
     metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
     yield MaterializeResult(asset_key=key, metadata=metadata)

@@ -1,5 +1,6 @@
 """A mirror's Dagster definitions, assembled in one place from its pipeline config: per table its assets
-and checks, the sensors, the jobs and the two resources, all named after the mirror."""
+and checks, the replication slot's asset and check, the sensors, the jobs and the two resources, all
+named after the mirror."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .sensors.maintenance import maintenance_sensor
 from .sensors.merge import merge_sensor
 from .sensors.resync import resync_sensor
 from .sensors.snapshot_planner import snapshot_planner_sensor
+from .slot import slot_check, slot_spec
 from .translator import Pg2IcebergTranslator
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -53,7 +55,8 @@ def mirror_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> Defini
     resync = resync_job(mirror)
     maintenance = maintenance_job(mirror)
     return Definitions(
-        assets=[*specs, *assets],
+        assets=[*specs, slot_spec(mirror), *assets],
+        asset_checks=[slot_check(mirror)],
         jobs=[merge, resync, maintenance],
         sensors=[
             flusher_sensor(mirror),

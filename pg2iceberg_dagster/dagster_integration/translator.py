@@ -6,10 +6,11 @@ import hashlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from typing import NamedTuple
 
-from dagster import AssetKey, AssetSpec
+from dagster import AssetKey, AssetSpec, FreshnessPolicy
 
 from pg2iceberg_dagster.config import PipelineConfig, TableConfig
 from pg2iceberg_dagster.errors import ConfigError
@@ -200,6 +201,19 @@ class Pg2IcebergTranslator:
             kinds=_KINDS[role],
             description=self.description(table, role),
             metadata=metadata,
+            freshness_policy=self.freshness_policy(table) if role == "iceberg" else None,
+        )
+
+    def freshness_policy(self, table: TableConfig) -> FreshnessPolicy | None:
+        """The live table's time-window freshness policy, from ``dagster.freshness_*`` in the config
+        (None: no policy). Dagster counts from the asset's last materialization: a merge, or the
+        flusher sensor's report that a table with nothing to merge is current (see ``sensors/flusher.py``)."""
+        windows = self.config.freshness_windows()
+        if windows is None:
+            return None
+        warn, fail = windows
+        return FreshnessPolicy.time_window(
+            fail_window=timedelta(seconds=fail), warn_window=timedelta(seconds=warn) if warn else None
         )
 
     def partitions_name(self, table: TableConfig) -> str:

@@ -88,6 +88,7 @@ class EncodedSegment:
     rows: int
     first_lsn: int
     last_lsn: int
+    first_commit_us: int | None = None  # the earliest source commit time of its changes (Unix microseconds)
 
 
 def encode_segment(
@@ -172,7 +173,13 @@ class MessageBatch:
             columns = complete(info.generated, columns)
         lsns = pc.take(self.lsn, rows)
         data = encode_columns(info.staged_relation, *columns)
-        return EncodedSegment(data=data, rows=len(columns[0]), first_lsn=lsns[0].as_py(), last_lsn=pc.max(lsns).as_py())
+        return EncodedSegment(
+            data=data,
+            rows=len(columns[0]),
+            first_lsn=lsns[0].as_py(),
+            last_lsn=pc.max(lsns).as_py(),
+            first_commit_us=pc.min(pc.take(self.ts_array, rows)).as_py(),
+        )
 
     def byte_at(self, positions: pa.Array) -> pa.Array:
         return pc.take(self.bytes, positions)

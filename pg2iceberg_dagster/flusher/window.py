@@ -249,5 +249,7 @@ class StagedWriter:
         table = info.relation.table
         encoded = batch.encode(info, rows, self._complete)
         key = staged_file_key(self._locations[table], encoded.last_lsn)
-        staged = StagedFile(table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn)
+        staged = StagedFile(
+            table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn, encoded.first_commit_us
+        )
         return staged, encoded.data

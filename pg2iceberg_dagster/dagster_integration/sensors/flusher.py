@@ -1,12 +1,20 @@
 """The WAL flusher as a sensor: each tick streams for a bounded time, stages what committed, and
-reports a materialization of each table's staged-log asset. The CLI ``stream`` runs the same flusher
-as a long-lived process; only one can hold the slot, and the other is told so (skip, no crash loop).
+reports a materialization of each table's staged-log asset, the replication slot's observation and
+check, and that a live table with nothing to merge is current (for its freshness policy). The CLI
+``stream`` runs the same flusher as a long-lived process; only one can hold the slot, and the other
+is told so (skip, no crash loop).
 
 The process that evaluates it (the code location server) also serves the pipeline's Prometheus
 metrics when ``metrics.port`` is set (``pg2iceberg_dagster/metrics.py``)."""
 
+import time
+from collections.abc import Callable
+
 from dagster import (
+    AssetCheckEvaluation,
+    AssetKey,
     AssetMaterialization,
+    AssetObservation,
     DefaultSensorStatus,
     SensorDefinition,
     SensorEvaluationContext,
@@ -14,18 +22,86 @@ from dagster import (
     SkipReason,
 )
 
-from pg2iceberg_dagster.errors import SlotBusyError
-from pg2iceberg_dagster.pipeline import serve_metrics_once
+from pg2iceberg_dagster.config import TableConfig
+from pg2iceberg_dagster.errors import SlotBusyError, StartupCheckError
+from pg2iceberg_dagster.pipeline import FlushTick, TableProgress, serve_metrics_once
+from pg2iceberg_dagster.validation import slot_safety
 
 from ..mirror import Mirror
 from ..resources import Pg2IcebergResource
+from ..slot import slot_check_evaluation, slot_observation
 from .base import mirror_sensor
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
 
 
-def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> SensorDefinition:
-    """The mirror's flusher: each tick streams for at most ``tick_seconds``."""
+def _staged_log_event(
+    mirror: Mirror, table: TableConfig, progress: TableProgress, tick: FlushTick
+) -> AssetMaterialization:
+    """The table's staged log grew: its new changes and how far the live table is behind."""
+    return AssetMaterialization(
+        asset_key=mirror.key(table, "staged_log"),
+        metadata={
+            "changes_staged": progress.staged,
+            "log_head": progress.lag.log_head,
+            "mat_cursor": progress.lag.mat_cursor,
+            "lag": progress.lag.changes,
+            "lag_seconds": round(progress.lag_seconds, 3),
+            "flushed_lsn": tick.flushed_lsn_text,
+            "flushed_lsn_bytes": tick.flushed_lsn,
+        },
+    )
+
+
+def _current_event(mirror: Mirror, table: TableConfig, tick: FlushTick) -> AssetMaterialization:
+    """The live table has nothing to merge: it holds every source change through the flushed LSN.
+    Reported as a materialization because that is what Dagster's freshness policies count (an
+    observation would not), with no new Iceberg snapshot behind it (``changes_applied`` 0)."""
+    return AssetMaterialization(
+        asset_key=mirror.key(table, "iceberg"),
+        description=f"no changes to merge: current through {tick.flushed_lsn_text}",
+        metadata={
+            "dagster/table_name": mirror.iceberg_table_name(table),
+            "changes_applied": 0,
+            "lag": 0,
+            "lag_seconds": 0.0,
+            "current_through_lsn": tick.flushed_lsn_text,
+            "current_through_lsn_bytes": tick.flushed_lsn,
+        },
+    )
+
+
+def _current_due(context: SensorEvaluationContext, key: AssetKey, every_seconds: float, now: float) -> bool:
+    """Whether the live table ``key`` was last materialized ``every_seconds`` before ``now`` or earlier
+    (or never)."""
+    last = context.instance.get_latest_materialization_event(key)
+    return last is None or now - last.timestamp >= every_seconds
+
+
+def tick_summary(tick: FlushTick) -> str:
+    """What a tick did, in a line: ``staged N changes of K tables up to LSN X`` or ``no new changes``."""
+    staged = tick.staged
+    if not staged:
+        return f"no new changes; flushed to {tick.flushed_lsn_text}"
+    changes = sum(progress.staged for progress in staged.values())
+    return f"staged {changes} changes of {len(staged)} tables up to LSN {tick.flushed_lsn_text}"
+
+
+def flusher_sensor(
+    mirror: Mirror, tick_seconds: float = TICK_SECONDS, clock: Callable[[], float] = time.time
+) -> SensorDefinition:
+    """The mirror's flusher: each tick streams for at most ``tick_seconds``. ``clock`` is the time the
+    materialization timestamps are compared with (tests pass Dagster's, which they can freeze).
+
+    A tick reports, as runless asset events: a materialization of each table's staged log it staged
+    changes of (with ``lag`` and ``lag_seconds``); an observation of the replication slot and its
+    ``slot_safe`` check; and, when freshness policies are on, a materialization of each live table
+    with nothing to merge whose last materialization is half a warn window old, so a quiet table stays
+    fresh while one whose merges stopped goes stale. It requests no runs, so Dagster shows every tick
+    as skipped: its skip reason says what it did (``staged N changes of K tables up to LSN X``)."""
+    windows = mirror.config.freshness_windows()
+    current_every = (windows[0] or windows[1]) / 2 if windows else None
+    tables = {table.key: table for table in mirror.tables}
 
     @mirror_sensor(
         mirror,
@@ -33,7 +109,7 @@ def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> Sensor
         minimum_interval_seconds=5,
         default_status=DefaultSensorStatus.RUNNING,
         asset_selection=[mirror.key(table, "staged_log") for table in mirror.tables],
-        description="Streams the replication slot into the staged log in bounded ticks.",
+        description="Streams the replication slot into the staged log in bounded ticks; observes the slot.",
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
@@ -42,26 +118,39 @@ def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> Sensor
                 tick = pipeline.flush_tick(max_seconds=tick_seconds)
             except SlotBusyError as exc:
                 return SkipReason(str(exc))
+            except StartupCheckError as exc:
+                # A slot that lost its WAL stops the flusher: its check says so (ERROR) on the slot asset.
+                slot = pipeline.slot()
+                if slot_safety(slot, pipeline.config.replication).level != "error":
+                    raise
+                context.log.error("flusher stopped: %s", exc)
+                observed = [slot_observation(mirror, slot)] if slot is not None else []
+                return SensorResult(
+                    asset_events=[*observed, slot_check_evaluation(mirror, slot)],
+                    skip_reason=SkipReason(f"flusher stopped: {exc}"),
+                )
         if tick is None:
             return SkipReason("waiting for the snapshot to create the replication slot")
-        events = [
-            AssetMaterialization(
-                asset_key=mirror.key(table, "staged_log"),
-                metadata={
-                    "changes_staged": tick.staged[table.key][0],
-                    "log_head": tick.staged[table.key][1].log_head,
-                    "mat_cursor": tick.staged[table.key][1].mat_cursor,
-                    "lag": tick.staged[table.key][1].changes,
-                    "flushed_lsn": tick.flushed_lsn_text,
-                    "flushed_lsn_bytes": tick.flushed_lsn,
-                },
-            )
-            for table in mirror.tables
-            if table.key in tick.staged
+        events: list[AssetMaterialization | AssetObservation | AssetCheckEvaluation] = [
+            _staged_log_event(mirror, tables[key], progress, tick)
+            for key, progress in tick.staged.items()
+            if key in tables
         ]
+        if current_every is not None:
+            now = clock()
+            events.extend(
+                _current_event(mirror, tables[key], tick)
+                for key, progress in tick.tables.items()
+                if key in tables
+                and progress.current
+                and _current_due(context, mirror.key(tables[key], "iceberg"), current_every, now)
+            )
+        if tick.slot is not None:
+            events.append(slot_observation(mirror, tick.slot))
+        events.append(slot_check_evaluation(mirror, tick.slot))
+        summary = tick_summary(tick)
+        context.log.info(summary)
         context.update_cursor(tick.flushed_lsn_text)
-        if not events:
-            return SkipReason(f"no new changes; flushed_lsn {tick.flushed_lsn_text}")
-        return SensorResult(asset_events=events)
+        return SensorResult(asset_events=events, skip_reason=SkipReason(summary))
 
     return _flusher
