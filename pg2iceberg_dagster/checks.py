@@ -7,7 +7,7 @@ import functools
 import itertools
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psycopg
@@ -195,14 +195,14 @@ class _Compared:
             # No change explains a duplicate key, whatever the flusher has staged.
             unexplained=len(failing) + diff.duplicate_keys,
             unexplained_examples=tuple(failing[:5]),
-            inconclusive=diff.not_compared or inconclusive,
+            inconclusive=inconclusive,
         )
         return self.scope.report(self.duplicates, self.schema_problems, content)
 
 
 class TableChecker:
     """Runs the data checks over tables with a pipeline's parts (its tables, coordination store,
-    staged files, catalog and kept source connection)."""
+    staged files and catalog; each lane its own connections)."""
 
     def __init__(
         self,
@@ -211,14 +211,12 @@ class TableChecker:
         store: CoordinationStore,
         objects: ObjectStore,
         catalog: Catalog,
-        source_connection: Callable[[], psycopg.Connection],
     ) -> None:
         self.config = config
         self.tables = tables
         self.store = store
         self.objects = objects
         self.catalog = catalog
-        self.source_connection = source_connection
 
     def check_tables(self, table_keys: list[str]) -> Iterator[tuple[str, TableCheckReport | Exception]]:
         """Per table, as each is done (or the error that stopped its checks): one row per primary key;
