@@ -434,7 +434,7 @@ class Pipeline:
 
     def check_tables(self, table_keys: list[str]) -> Iterator[tuple[str, TableCheckReport | Exception]]:
         """The data checks of ``table_keys``, per table as each is done (see checks.TableChecker)."""
-        checker = TableChecker(self.config, self.tables, self.store, self.catalog, self.source_connection)
+        checker = TableChecker(self.config, self.tables, self.store, self.objects, self.catalog)
         return checker.check_tables(table_keys)
 
     def catch_up(self) -> FlushStats:

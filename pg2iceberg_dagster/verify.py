@@ -48,8 +48,16 @@ class TableDiff:
     different: int = 0
     duplicate_keys: int = 0
     examples: dict[str, list[Any]] = field(default_factory=dict)
+    # Every differing key (only on one side, or different), up to the ``keep_keys`` the comparison
+    # was asked to keep: what a check accounts for one by one.
+    differing_keys: list[tuple] = field(default_factory=list)
     # Why the table was not compared (it waits for an online resync: its Iceberg schema is the old one).
     not_compared: str = ""
+
+    @property
+    def differences(self) -> int:
+        """Keys whose rows differ: only on one side, or different (duplicate keys not included)."""
+        return self.only_in_pg + self.only_in_iceberg + self.different
 
     @property
     def ok(self) -> bool:
@@ -282,10 +290,11 @@ def _add_differences(
     iceberg_rows: pa.Table,
     positions: list[int],
     examples: int,
+    keep_keys: int = 0,
     differences: RowDifferences | None = None,
 ) -> None:
     """Count into ``diff`` the differences between these rows (all the rows of some keys on both sides),
-    and gather them into ``differences`` when given."""
+    keeping differing keys up to ``keep_keys`` in all, and gather them into ``differences`` when given."""
     pg, _, _ = _rows_by_key(pg_rows, positions)
     ice, repeated, duplicates = _rows_by_key(iceberg_rows, positions)
     diff.pg_rows += pg_rows.num_rows
@@ -308,6 +317,7 @@ def _add_differences(
     diff.only_in_iceberg += len(found["only_in_iceberg"])
     diff.different += len(found["different"])
     for name, keys in found.items():
+        diff.differing_keys += keys[: keep_keys - len(diff.differing_keys)]
         kept = diff.examples.setdefault(name, [])
         kept += keys[: examples - len(kept)]
         if not kept:
@@ -361,13 +371,15 @@ def compare_table(
     rule: OutOfRange,
     examples: int = 5,
     key_slice: KeySlice | None = None,
+    keep_keys: int = 0,
     differences: RowDifferences | None = None,
 ) -> TableDiff:
     """Compare a table (or the rows of ``key_slice``) read on ``conn`` (the caller's REPEATABLE READ
     transaction) with Iceberg, after ``rule`` mapped the source's values Iceberg cannot hold. A table
     of more than :data:`BUCKET_ROWS` rows (on either side, as its statistics say) is compared a hash
-    bucket of keys at a time, both sides spilled to local files first. With ``differences``, the rows
-    that differ are gathered there as well (the source's rows as typed for Iceberg, see
+    bucket of keys at a time, both sides spilled to local files first. Up to ``keep_keys`` differing
+    keys are kept (``TableDiff.differing_keys``), as :func:`typed_keys` types keys. With ``differences``,
+    the rows that differ are gathered there as well (the source's rows as typed for Iceberg, see
     :class:`RowDifferences`), for a repair to write.
 
     A source column Iceberg does not have yet counts as NULL there: logical replication carries no
@@ -398,7 +410,7 @@ def compare_table(
         pg_rows = copy_rows(conn, source, schema, rule, key_slice).select(columns)
         iceberg_rows = scan.to_arrow()
         iceberg_rows = as_compared(iceberg_rows) if iceberg_rows.num_rows else pg_rows.slice(0, 0)
-        _add_differences(diff, pg_rows, iceberg_rows, positions, examples, differences)
+        _add_differences(diff, pg_rows, iceberg_rows, positions, examples, keep_keys, differences)
         return diff
     compared = pa.schema([schema.field(name) for name in columns])
     with tempfile.TemporaryDirectory(prefix="pg2iceberg-verify-") as directory:
@@ -411,8 +423,26 @@ def compare_table(
             for batch in scan.to_arrow_batch_reader():
                 iceberg_side.add(as_compared(batch))
         for bucket in range(buckets):
-            _add_differences(diff, pg_side.read(bucket), iceberg_side.read(bucket), positions, examples, differences)
+            _add_differences(
+                diff, pg_side.read(bucket), iceberg_side.read(bucket), positions, examples, keep_keys, differences
+            )
     return diff
+
+
+def typed_keys(
+    source: SourceTable, iceberg_table: Table, rule: OutOfRange, texts: Sequence[Sequence[str | None]]
+) -> list[tuple]:
+    """Primary keys given in PostgreSQL's text form (the primary key's columns in order, as staged
+    changes hold them) as :func:`compare_table` compares keys: through the same text loaders and
+    Arrow types it reads the source with, so that a key equals the comparison's key of the same row."""
+    iceberg = arrow_schema(iceberg_table.schema())
+    loaders = text_loaders([source.column(name) for name in source.primary_key], rule)
+    columns = []
+    for position, (name, load) in enumerate(zip(source.primary_key, loaders, strict=True)):
+        values = [None if text is None else load(text.encode()) for text in (row[position] for row in texts)]
+        columns.append(arrow_column(values, iceberg.field(name).type, name))
+    batch = pa.RecordBatch.from_arrays(columns, names=list(source.primary_key))
+    return list(_row_values(batch, _normalizers(batch.schema)))
 
 
 def _source_rows_estimate(conn: psycopg.Connection, source: SourceTable) -> int:

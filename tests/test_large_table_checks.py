@@ -52,13 +52,14 @@ def test_a_large_table_is_checked_a_key_range_at_a_time(source: SourceDb, monkey
     diff = composite.content.diff
     assert diff is not None and diff.ok and diff.pg_rows == diff.iceberg_rows == LIMIT
     # Too large, and a text key orders by collation in PostgreSQL, by bytes in Iceberg: not compared.
-    assert text_key.content.diff is None and "checks.compare_max_rows (40)" in text_key.content.not_compared
-    assert f"verify --table {TEXT_KEY}" in text_key.content.not_compared
-    # In Dagster: a warning that fails, saying why (lagging passes: the next quiet run compares).
+    assert text_key.content.diff is None and "checks.compare_max_rows (40)" in text_key.content.inconclusive
+    assert f"verify --table {TEXT_KEY}" in text_key.content.inconclusive
+    # In Dagster: a warning that fails, saying why.
     results = {r.check_name: r for r in table_check_results(text_key, AssetKey(["t"]))}
     not_compared = results["matches_source"]
     assert not not_compared.passed and not_compared.severity == AssetCheckSeverity.WARN
-    assert not_compared.description == text_key.content.not_compared
+    assert not_compared.description == f"not conclusive: {text_key.content.inconclusive}"
+    assert not_compared.metadata["compared"].value is False
     assert (
         results["primary_key_unique"].passed
         and results["primary_key_unique"].metadata["checked_rows"].value == "all rows"
@@ -91,6 +92,8 @@ def test_a_large_table_is_checked_a_key_range_at_a_time(source: SourceDb, monkey
     report = dict(pipeline.check_tables([COMPOSITE]))[COMPOSITE]
     assert not isinstance(report, Exception) and report.content.diff is not None
     assert report.content.diff.different == report.content.diff.pg_rows > 0
+    # Nothing staged them and no flusher runs: not a pass, and not a failure either.
+    assert not report.content.conclusive and "flusher had not staged" in report.content.inconclusive
 
     with pytest.raises(ConfigError, match=r"not configured tables: public\.nope"):
         pipeline.verify(["public.nope"])

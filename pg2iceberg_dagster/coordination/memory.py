@@ -215,7 +215,8 @@ class InMemoryCoordinationStore:
         """``group``'s mat_cursor and the log head of ``table_name``, read together."""
         with self._lock:
             cursor = self._cursors.get((group, table_name))
-            return Lag(cursor.next_offset if cursor else 0, self._next_offset.get(table_name, 0))
+            head = self._next_offset.get(table_name, 0)
+            return Lag(cursor.next_offset, head, cursor.last_lsn) if cursor else Lag(0, head)
 
     def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
         """Every staged table's :meth:`lag` for ``group``, with the seconds since the earliest commit

@@ -4,7 +4,7 @@ and epochs, staged-log entries and cursors. Plain values, shared by every store.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,9 @@ class Lag:
 
     mat_cursor: int = 0
     log_head: int = 0
+    # The LSN the last merged change was flushed at (None before any merge): where the cursor stands
+    # in the WAL, not part of how far behind it is (lags compare by offsets).
+    merged_lsn: int | None = field(default=None, compare=False)
 
     @property
     def changes(self) -> int:

@@ -385,15 +385,16 @@ class CoordinationStore:
         return int(row[0]) if row else 0
 
     def lag(self, group: str, table_name: str) -> Lag:
-        """``group``'s mat_cursor and the log head of ``table_name``, read together."""
+        """``group``'s mat_cursor (with the LSN it was merged up to) and the log head of ``table_name``,
+        read together."""
         row = self.conn.execute(
-            "SELECT coalesce((SELECT next_offset FROM _pg2iceberg.mat_cursor WHERE group_name = %s "
-            "AND table_name = %s), 0), coalesce((SELECT next_offset FROM _pg2iceberg.log_seq "
-            "WHERE table_name = %s), 0)",
-            (group, table_name, table_name),
+            "SELECT coalesce(c.next_offset, 0), coalesce((SELECT next_offset FROM _pg2iceberg.log_seq "
+            "WHERE table_name = %s), 0), c.last_lsn::text FROM (SELECT 1) AS one LEFT JOIN "
+            "_pg2iceberg.mat_cursor c ON c.group_name = %s AND c.table_name = %s",
+            (table_name, group, table_name),
         ).fetchone()
         assert row is not None
-        return Lag(int(row[0]), int(row[1]))
+        return Lag(int(row[0]), int(row[1]), _lsn(row[2]))
 
     def lags(self, group: str) -> dict[str, tuple[Lag, float]]:
         """Every staged table's :meth:`lag` for ``group``, with the age in seconds of its oldest

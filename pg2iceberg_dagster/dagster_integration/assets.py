@@ -113,9 +113,10 @@ def _merge_metadata(
 
 def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetCheckResult]:
     """The engine's checks of one table as Dagster check results: primary keys unique (blocking);
-    schema follows the source; content equals the source when there is no lag (a difference seen
-    while the source is being written is a warning). A large table's keys and content are checked a
-    slice at a time (``checks.compare_max_rows``): ``checked_rows`` says which."""
+    schema follows the source; content equals the source, lag or not, every difference explained by
+    a change not merged yet (an unexplained one is an error; a check that could not tell is a failed
+    warning, never a pass). A large table's keys and content are checked a slice at a time
+    (``checks.compare_max_rows``): ``checked_rows`` says which."""
     examples = [list(map(str, example)) for example in report.duplicate_examples]
     yield AssetCheckResult(
         asset_key=key,
@@ -133,36 +134,58 @@ def table_check_results(report: TableCheckReport, key: Any) -> Iterator[AssetChe
         passed=not report.schema_problems,
         metadata={"problems": MetadataValue.json(report.schema_problems)},
     )
+    yield _content_check_result(report, key)
+
+
+def _content_check_result(report: TableCheckReport, key: Any) -> AssetCheckResult:
+    """``matches_source``: passed only when compared and every difference is explained; ``compared``
+    is true only for a conclusive result."""
     content = report.content
-    if content.diff is None:
-        yield AssetCheckResult(
+    metadata: dict[str, Any] = {
+        "compared": content.conclusive,
+        "checked_rows": report.content_checked,
+        "lag": content.lag,
+        "merged_lsn": content.merged_lsn_text,
+        "source_lsn": content.source_lsn_text,
+    }
+    diff = content.diff
+    if diff is not None:
+        metadata.update(
+            {
+                "pg_rows": diff.pg_rows,
+                "iceberg_rows": diff.iceberg_rows,
+                "only_in_pg": diff.only_in_pg,
+                "only_in_iceberg": diff.only_in_iceberg,
+                "different": diff.different,
+                "duplicate_keys": diff.duplicate_keys,
+                "differences_explained_by_later_changes": content.explained,
+                "unexplained_differences": content.unexplained,
+                "unexplained_examples": MetadataValue.json([list(map(str, k)) for k in content.unexplained_examples]),
+            }
+        )
+    if content.failed:
+        description = (
+            f"{content.unexplained:,} differences no change after the merged position explains "
+            f"(merged up to {content.merged_lsn_text}, source compared at {content.source_lsn_text})"
+        )
+        return AssetCheckResult(
             asset_key=key,
             check_name=MATCHES_SOURCE,
-            # Lagging is passing: the next quiet run compares. A table too large to compare is not.
-            passed=not content.not_compared,
-            severity=AssetCheckSeverity.WARN,
-            description=content.not_compared or None,
-            metadata={"compared": False, "lag": content.lag, "not_compared": content.not_compared},
+            passed=False,
+            severity=AssetCheckSeverity.ERROR,
+            description=description,
+            metadata=metadata,
         )
-        return
-    diff = content.diff
-    yield AssetCheckResult(
-        asset_key=key,
-        check_name=MATCHES_SOURCE,
-        passed=diff.ok,
-        severity=AssetCheckSeverity.ERROR if content.conclusive else AssetCheckSeverity.WARN,
-        metadata={
-            "compared": True,
-            "checked_rows": report.content_checked,
-            "source_written_during_check": content.source_written_during_check,
-            "changes_in_flight": content.changes_in_flight,
-            "pg_rows": diff.pg_rows,
-            "iceberg_rows": diff.iceberg_rows,
-            "only_in_pg": diff.only_in_pg,
-            "only_in_iceberg": diff.only_in_iceberg,
-            "different": diff.different,
-        },
-    )
+    if not content.passed:
+        return AssetCheckResult(
+            asset_key=key,
+            check_name=MATCHES_SOURCE,
+            passed=False,
+            severity=AssetCheckSeverity.WARN,
+            description=f"not conclusive: {content.inconclusive}",
+            metadata={**metadata, "inconclusive": content.inconclusive},
+        )
+    return AssetCheckResult(asset_key=key, check_name=MATCHES_SOURCE, passed=True, metadata=metadata)
 
 
 def files_check_result(health: TableHealth, settings: MaintenanceConfig, key: Any) -> AssetCheckResult:
@@ -195,7 +218,11 @@ def _live_spec(mirror: Mirror, table: TableConfig) -> AssetSpec:
 def _live_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
     return [
         AssetCheckSpec(PK_UNIQUE, asset=key, blocking=True, description="one row per primary key"),
-        AssetCheckSpec(MATCHES_SOURCE, asset=key, description="rows equal the source when there is no lag"),
+        AssetCheckSpec(
+            MATCHES_SOURCE,
+            asset=key,
+            description="rows equal the source, every difference explained by a change not merged yet",
+        ),
         AssetCheckSpec(SCHEMA_MATCHES, asset=key, description="columns and types match the source"),
         AssetCheckSpec(FILES_COMPACT, asset=key, description="few small files and delete files (maintenance compacts)"),
     ]

@@ -405,8 +405,7 @@ class Materializer:
 
     def replay_epoch(self, table_key: str) -> SnapshotEpoch | None:
         """The snapshot epoch the table's rows were read in (None for a table snapshotted before epochs)."""
-        state = self.store.table_state(table_key)
-        return self.store.snapshot_epoch(state.snapshot_epoch) if state and state.snapshot_epoch is not None else None
+        return replay_epoch(self.store, table_key)
 
     def _start_spark(self, table_key: str, timings: dict[str, float]) -> None:
         """Create the session and resolve the table in it before the batch is read: a new JVM takes
@@ -437,20 +436,7 @@ class Materializer:
         identifier = self.tables[table_key].iceberg
         with timed_phase(timings, "read"):
             table = self.catalog.load_table(identifier)
-            staged = []
-            visible = XidSnapshot.parse(replay_epoch.snapshot) if replay_epoch is not None else None
-            for entry in entries:
-                relation, changes = read_staged(self.object_store.get(entry.path))
-                # An entry may start before the cursor only if it was half applied; never the case as
-                # the cursor always lands on an entry's end, but skip defensively by offset.
-                changes = changes.slice(max(0, cursor - entry.start_offset))
-                if visible is not None and replay_epoch is not None and entry.first_lsn < replay_epoch.lsn_bound:
-                    changes = changes.filter(pc.invert(visible.visible(changes.column("_xid"))))
-                    if changes.num_rows == 0:
-                        # All in the snapshot: its relation (maybe older than the table's rebuilt
-                        # schema, after a resync) must not steer the evolution.
-                        continue
-                staged.append((relation, changes))
+            staged = list(staged_changes(self.object_store, entries, cursor, replay_epoch))
         with timed_phase(timings, "fold"):
             # The last relation describes the table as it is now; older ones are mapped onto it.
             relations = [relation for relation, _ in staged]
@@ -692,6 +678,34 @@ class Materializer:
         query): with many lagging tables, the change waiting longest is merged first."""
         ages = {key: age for key, (_lag, age) in self.store.lags(self.group).items()}
         return sorted(table_keys, key=lambda key: -ages.get(key, 0.0))
+
+
+def replay_epoch(store: StagedLogStore, table_key: str) -> SnapshotEpoch | None:
+    """The snapshot epoch the table's rows were read in (None for a table snapshotted before epochs)."""
+    state = store.table_state(table_key)
+    return store.snapshot_epoch(state.snapshot_epoch) if state and state.snapshot_epoch is not None else None
+
+
+def staged_changes(
+    objects: ObjectStore, entries: list[LogEntry], cursor: int, epoch: SnapshotEpoch | None
+) -> Iterator[tuple[StagedRelation, pa.Table]]:
+    """The changes of ``entries`` (in offset order) from offset ``cursor`` on that a merge applies, a
+    file at a time: those of transactions the table's snapshot already shows (``epoch``) left out, as
+    the table is one read under that snapshot and replaying exactly the others reaches the source's
+    state."""
+    visible = XidSnapshot.parse(epoch.snapshot) if epoch is not None else None
+    for entry in entries:
+        relation, changes = read_staged(objects.get(entry.path))
+        # An entry may start before the cursor only if it was half applied; never the case as the
+        # cursor always lands on an entry's end, but skip defensively by offset.
+        changes = changes.slice(max(0, cursor - entry.start_offset))
+        if visible is not None and epoch is not None and entry.first_lsn < epoch.lsn_bound:
+            changes = changes.filter(pc.invert(visible.visible(changes.column("_xid"))))
+            if changes.num_rows == 0:
+                # All in the snapshot: its relation (maybe older than the table's rebuilt schema,
+                # after a resync) must not steer the evolution.
+                continue
+        yield relation, changes
 
 
 def _without_keyless_deletes(table_key: str, prepared: PreparedBatch) -> PreparedBatch:

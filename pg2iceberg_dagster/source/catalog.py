@@ -545,17 +545,6 @@ def table_pages(conn: psycopg.Connection, oid: int) -> int:
     return int(row[0]) if row else 0
 
 
-def modification_count(conn: psycopg.Connection, oid: int) -> int:
-    """Rows inserted, updated and deleted in the table so far (statistics; lag up to about a second)."""
-    row = conn.execute(
-        # A partitioned table's statistics are its leaves'.
-        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_catalog.pg_stat_user_tables "
-        "WHERE relid = ANY(%s)",
-        (row_holders(conn, oid),),
-    ).fetchone()
-    return int(row[0]) if row else 0
-
-
 def published_keys(conn: psycopg.Connection, publication: str, tables: Sequence[SourceTable]) -> set[str]:
     """The keys of ``tables`` the publication covers, read from the catalog tables themselves: inside
     a transaction on an imported snapshot, as that snapshot sees them. A snapshot taken before a table
