@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/mypy || exit 1  # [tool.mypy] in pyproject.toml says what it checks
 DAGSTER_HOME="$(mktemp -d)" PG2ICEBERG_CONFIG="${PG2ICEBERG_CONFIG:-examples/pg2iceberg.yaml}" \
   .venv/bin/dagster definitions validate -w workspace.yaml >/dev/null 2>&1 || { echo "dagster definitions validate failed" >&2; exit 1; }
-.venv/bin/pytest -p no:cacheprovider "$@"
+.venv/bin/pytest -p no:cacheprovider --durations=15 "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: treating as failure" >&2
