@@ -505,6 +505,7 @@ class Pipeline:
         """Replication and per-table progress, as plain data."""
         self.store.migrate()
         slot = self.slot()
+        safety = slot_safety(slot, self.config.replication)
         states = self.store.table_states()
         tables = []
         for table in self.config.tables:
@@ -534,7 +535,10 @@ class Pipeline:
                 "restart_lsn": format_lsn(slot.restart_lsn) if slot.restart_lsn else None,
                 "retained_wal_bytes": slot.retained_wal_bytes,
                 "safe_wal_size_bytes": slot.safe_wal_size_bytes,
-                "safety": slot_safety(slot, self.config.replication).level,
+                "max_slot_wal_keep_size_bytes": slot.max_slot_wal_keep_size_bytes,
+                **slot.wal_budget(),
+                "safety": safety.level,
+                "safety_reason": safety.reason,
             },
             "flushed_lsn": format_lsn(flushed) if flushed is not None else None,
             # A holder keeping an exported snapshot open (the source's xmin is held back meanwhile).

@@ -130,6 +130,10 @@ def test_flusher_ticks_report_lag_the_slot_and_what_they_did(source: SourceDb, t
         assert again.skip_reason.skip_message.startswith("no new changes; flushed to ")
         assert staged_log not in _events(again, AssetMaterialization)
         assert SLOT_KEY in _events(again, AssetObservation)
+        # The second tick measures the WAL rate since the first (its reading is in the coordination
+        # store); with max_slot_wal_keep_size unlimited there are no minutes until lost.
+        budget = _events(again, AssetObservation)[SLOT_KEY].metadata
+        assert budget["wal_write_bytes_per_second"].value >= 0 and "minutes_until_lost" not in budget
         # Recorded on the slot asset as the daemon records them: the UI plots these.
         recorded = instance.fetch_observations(SLOT_KEY, limit=10).records
         assert len(recorded) == 2

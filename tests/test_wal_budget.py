@@ -1,6 +1,6 @@
 """The slot's WAL budget (issue 31 part 3): from two readings of a slot nobody streams from, the rate its
-``safe_wal_size`` shrinks at and the time until it loses WAL; ``slot_safety`` warns within the
-horizon before the fraction rule fires. Real
+``safe_wal_size`` shrinks at and the time until it loses WAL; ``slot_safe`` warns within the horizon
+before the fraction rule fires; and the estimate reaches Dagster, ``status`` and the metrics. Real
 PostgreSQL (a throwaway cluster with a small ``max_slot_wal_keep_size``; the shared one for unlimited);
 no clock is read by the assertions: the readings' own timestamps (the server's) are the only time."""
 
@@ -10,12 +10,21 @@ import math
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+import yaml
+from prometheus_client.core import Metric
 
+from pg2iceberg_dagster.cli import main
+from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.coordination.records import SlotReading
+from pg2iceberg_dagster.dagster_integration.mirror import Mirror
+from pg2iceberg_dagster.dagster_integration.slot import slot_check_evaluation, slot_observation
+from pg2iceberg_dagster.dagster_integration.translator import Pg2IcebergTranslator
+from pg2iceberg_dagster.metrics import PipelineCollector
 from pg2iceberg_dagster.validation import SlotInfo, slot_safety
 from pg2iceberg_dagster.wal_budget import RATE_TIME_CONSTANT_SECONDS, next_reading, seconds_until_lost, with_budget
 
@@ -34,6 +43,16 @@ def _emit_wal(conninfo: str, megabytes: int) -> None:
             "SELECT pg_logical_emit_message(false, 'budget', repeat('x', 1000000)) FROM generate_series(1, %s)",
             (megabytes,),
         )
+
+
+def _gauges(config: PipelineConfig) -> dict[str, float]:
+    """One scrape of the collector: gauge name -> value (the unlabeled ones this test reads)."""
+    collector = PipelineCollector(config)
+    try:
+        families: list[Metric] = list(collector.collect())
+    finally:
+        collector.close()
+    return {sample.name: sample.value for family in families for sample in family.samples if not sample.labels}
 
 
 def _slot(read_at: datetime, wal_lsn: int, safe: int | None, keep: int | None = 64 * MB) -> SlotInfo:
@@ -78,7 +97,7 @@ def test_rates_are_smoothed_over_time_and_start_from_the_first_pair() -> None:
 
 
 def test_a_slot_nobody_streams_from_warns_minutes_before_it_loses_wal(
-    source: SourceDb, make_cluster: Callable[..., Any]
+    source: SourceDb, make_cluster: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cluster = make_cluster(conf=["max_slot_wal_keep_size = 64MB", "wal_keep_size = 0"])
     with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
@@ -120,6 +139,35 @@ def test_a_slot_nobody_streams_from_warns_minutes_before_it_loses_wal(
     assert float(found.group(2)) == pytest.approx(second.seconds_until_lost / 60, abs=0.05)
     assert "raise max_slot_wal_keep_size (now 64.0 MB" in safety.reason and "repair" in safety.reason
 
+    # Dagster: the check WARNs with that text, the observation carries the budget.
+    mirror = Mirror(Pg2IcebergTranslator(config))
+    check = slot_check_evaluation(mirror, second)
+    assert not check.passed and check.description == safety.reason
+    assert check.metadata["slot_warn_minutes_until_lost"].value == 1e9
+    observed = slot_observation(mirror, second).metadata
+    assert observed["wal_write_bytes_per_second"].value == round(written, 1)
+    assert observed["safe_wal_shrink_bytes_per_second"].value == round(shrinking, 1)
+    assert observed["minutes_until_lost"].value == round(second.seconds_until_lost / 60, 2)
+
+    # `status`: the budget and the warning, measured from the last reading (whoever took it).
+    _emit_wal(cluster.conninfo(), 1)
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    capsys.readouterr()
+    assert main(["-c", str(path), "status"]) == 0
+    out = capsys.readouterr().out
+    assert '"minutes_until_lost": ' in out and '"wal_write_bytes_per_second": ' in out
+    assert "slot warn: " in out and WARNING.search(out)
+
+    # Metrics: a scrape is one more reading of the same series.
+    _emit_wal(cluster.conninfo(), 1)
+    gauges = _gauges(config)
+    assert gauges["pg2iceberg_slot_seconds_until_lost"] > 0
+    assert gauges["pg2iceberg_slot_wal_write_bytes_per_second"] > 0
+    assert gauges["pg2iceberg_slot_safe_wal_shrink_bytes_per_second"] > 0
+    assert 0 < gauges["pg2iceberg_slot_safe_wal_bytes"] < second.safe_wal_size_bytes
+    assert gauges["pg2iceberg_slot_max_wal_keep_bytes"] == 64 * MB
+
 
 def test_unlimited_keep_size_has_no_estimate_and_no_warning(source: SourceDb) -> None:
     source.execute("CREATE TABLE public.t (id int PRIMARY KEY)")
@@ -135,3 +183,6 @@ def test_unlimited_keep_size_has_no_estimate_and_no_warning(source: SourceDb) ->
     assert second.safe_wal_shrink_bytes_per_second is None and second.seconds_until_lost is None
     high = config.replication.model_copy(update={"slot_warn_minutes_until_lost": 1e9})
     assert slot_safety(second, high).level == "ok"
+    gauges = _gauges(config)
+    assert "pg2iceberg_slot_seconds_until_lost" not in gauges and "pg2iceberg_slot_safe_wal_bytes" not in gauges
+    assert gauges["pg2iceberg_slot_wal_write_bytes_per_second"] >= 0
