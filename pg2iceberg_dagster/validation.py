@@ -151,10 +151,10 @@ def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafet
     warn: ``wal_status`` unreserved (past ``max_slot_wal_keep_size``: the next checkpoint may remove its
     WAL); or ``safe_wal_size`` below ``slot_warn_safe_wal_fraction`` of ``max_slot_wal_keep_size``; or
     no process streamed from it for ``slot_inactive_warn_seconds`` (PG17+, which records since when);
-    or, before any of these, at the rate ``safe_wal_size`` shrinks now it reaches 0 within
+    or, checked right after unreserved, at the rate ``safe_wal_size`` shrinks now it reaches 0 within
     ``slot_warn_minutes_until_lost`` (``slot.seconds_until_lost``, filled by
-    ``wal_budget.estimate_wal_budget``). A slot that is merely inactive between the Dagster flusher's
-    ticks is normal."""
+    ``wal_budget.estimate_wal_budget``; a slot not read through it has no estimate and skips this rule).
+    A slot that is merely inactive between the Dagster flusher's ticks is normal."""
     name = settings.slot
     if slot is None:
         return SlotSafety("error", f"replication slot {name} does not exist")

@@ -166,8 +166,9 @@ class CoordinationStore:
 
     def update_slot_reading(self, slot_name: str, advance: Callable[[SlotReading | None], SlotReading]) -> SlotReading:
         """Replace the slot's stored reading with ``advance(stored)`` in one transaction, the stored row
-        locked meanwhile, so readers in several processes take turns; returns the new reading. One
-        ``advance`` returns unchanged (an older reading that arrived late) is not written again."""
+        locked meanwhile, so readers in several processes take turns; returns the new reading. A
+        reading ``advance`` returns unchanged (it was given an older one that arrived late) is not
+        written again."""
         with self.conn.transaction():
             row = self.conn.execute(
                 "SELECT read_at, wal_lsn::text, safe_wal_size, wal_write_rate, safe_wal_shrink_rate "
@@ -178,7 +179,7 @@ class CoordinationStore:
             reading = advance(stored)
             if reading != stored:
                 self.conn.execute(
-                    "INSERT INTO _pg2iceberg.slot_readings AS r (slot_name, read_at, wal_lsn, safe_wal_size, "
+                    "INSERT INTO _pg2iceberg.slot_readings (slot_name, read_at, wal_lsn, safe_wal_size, "
                     "wal_write_rate, safe_wal_shrink_rate) VALUES (%s, %s, %s::pg_lsn, %s, %s, %s) "
                     "ON CONFLICT (slot_name) DO UPDATE SET read_at = excluded.read_at, wal_lsn = excluded.wal_lsn, "
                     "safe_wal_size = excluded.safe_wal_size, wal_write_rate = excluded.wal_write_rate, "
