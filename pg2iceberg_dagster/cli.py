@@ -275,6 +275,8 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
         return 0
     slot = status["slot"]
     print(f"slot: {json.dumps(slot) if slot else 'not created'}; flushed_lsn: {status['flushed_lsn']}")
+    if slot and slot["safety"] != "ok":
+        print(f"slot {slot['safety']}: {slot['safety_reason']}")
     if status["snapshot_holder"]:
         print(f"snapshot holder: keeps the exported snapshot of epoch {status['snapshot_holder']['epoch']} open")
     for t in status["tables"]:

@@ -193,8 +193,11 @@ class ReplicationConfig(_Strict):
     # The slot's health (validation.slot_safety; Dagster's ``slot_safe`` check) warns when it can retain
     # less than this fraction of max_slot_wal_keep_size more WAL before losing some...
     slot_warn_safe_wal_fraction: float = Field(0.2, ge=0, le=1)
-    # ...or when nothing has streamed from it for this long (PostgreSQL 17+ records since when).
+    # ...or when nothing has streamed from it for this long (PostgreSQL 17+ records since when)...
     slot_inactive_warn_seconds: float = Field(600.0, gt=0)
+    # ...or when, at the rate its safe_wal_size shrinks now, it would lose WAL within this many minutes
+    # (wal_budget.py; needs max_slot_wal_keep_size set). 0 turns this rule off.
+    slot_warn_minutes_until_lost: float = Field(60.0, ge=0)
 
 
 class S3Config(_Strict):

@@ -4,10 +4,11 @@ source runs out of disk.
 Gauges are read when Prometheus scrapes (a custom collector on a registry of our own, never the
 global one): lag per table from the coordination tables, the Iceberg table's files, bytes, records and
 snapshots from its current snapshot's summary (no manifest is read), the flushed LSN, and the slot's
-position and the WAL it retains from ``pg_replication_slots``. Each read has a short connect and
-statement timeout, and a scrape never raises: a part that cannot be read is logged, reported as
-``pg2iceberg_up{component=...} 0``, and the rest is still served. Histograms of merge and maintenance
-durations are observed in the process that does the work (``run``).
+position, the WAL it retains and its ``safe_wal_size`` from ``pg_replication_slots``, with its WAL
+budget (the write rate and the time until it loses WAL, wal_budget.py: each scrape is one more
+reading). Each read has a short connect and statement timeout, and a scrape never raises: a part that
+cannot be read is logged, reported as ``pg2iceberg_up{component=...} 0``, and the rest is still served.
+Histograms of merge and maintenance durations are observed in the process that does the work (``run``).
 
 ``run`` serves them with :func:`serve_metrics`; the Dagster code location that runs the flusher
 sensor with :func:`serve_metrics_once`.
@@ -40,7 +41,8 @@ from .iceberg.catalog import open_catalog
 from .maintenance.health import summary_health
 from .source.connection import connect
 from .tables import MirroredTables
-from .validation import slot_info
+from .validation import SlotInfo, slot_info
+from .wal_budget import estimate_wal_budget
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -79,6 +81,25 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         (),
     ),
     "pg2iceberg_slot_active": ("1 while a process streams from the replication slot, else 0", ()),
+    "pg2iceberg_slot_safe_wal_bytes": (
+        "The replication slot's safe_wal_size: WAL the source can still write before the slot is in danger "
+        "of losing WAL (absent with max_slot_wal_keep_size unlimited)",
+        (),
+    ),
+    "pg2iceberg_slot_max_wal_keep_bytes": ("The source's max_slot_wal_keep_size (absent when unlimited)", ()),
+    "pg2iceberg_slot_wal_write_bytes_per_second": (
+        "WAL the source writes per second, smoothed over about five minutes of readings",
+        (),
+    ),
+    "pg2iceberg_slot_safe_wal_shrink_bytes_per_second": (
+        "How fast the slot's safe_wal_size shrinks (negative while the flusher wins it back), smoothed likewise",
+        (),
+    ),
+    "pg2iceberg_slot_seconds_until_lost": (
+        "safe_wal_size over the rate it shrinks at: when the slot loses WAL at the current rate "
+        "(absent when it does not shrink or max_slot_wal_keep_size is unlimited)",
+        (),
+    ),
     "pg2iceberg_scrape_seconds": ("How long reading these metrics took", ()),
 }
 
@@ -145,6 +166,7 @@ class PipelineCollector(Collector):
         self._lock = threading.Lock()
         self._connections: dict[str, tuple[PostgresConnection, psycopg.Connection]] = {}
         self._catalog: tuple[object, Catalog] | None = None
+        self._slot: SlotInfo | None = None
 
     def describe(self) -> Iterable[Metric]:
         """The gauges' names, without reading anything (for the registry's duplicate check)."""
@@ -156,6 +178,7 @@ class PipelineCollector(Collector):
             started = time.monotonic()
             config = self.config  # ``run`` may switch to a new config meanwhile: one per scrape
             families = _Families()
+            self._slot = None  # the slot as the source reader finds it, for the state reader's WAL budget
             readers: dict[str, Callable[[PipelineConfig, _Families], None]] = {
                 "source": self._read_source,
                 "state": self._read_state,
@@ -207,6 +230,27 @@ class PipelineCollector(Collector):
         if slot.retained_wal_bytes is not None:  # None once the slot has lost its WAL (wal_status 'lost')
             families.set("pg2iceberg_slot_retained_wal_bytes", slot.retained_wal_bytes)
         families.set("pg2iceberg_slot_active", 1.0 if slot.active else 0.0)
+        if slot.safe_wal_size_bytes is not None:
+            families.set("pg2iceberg_slot_safe_wal_bytes", slot.safe_wal_size_bytes)
+        if slot.max_slot_wal_keep_size_bytes is not None:
+            families.set("pg2iceberg_slot_max_wal_keep_bytes", slot.max_slot_wal_keep_size_bytes)
+        self._slot = slot
+
+    def _read_wal_budget(self, config: PipelineConfig, store: CoordinationStore, families: _Families) -> None:
+        """The slot read from the source in this scrape, with its WAL budget measured against the
+        readings in the state database (wal_budget.py; the scrape is one more reading)."""
+        if self._slot is None or not store.has_slot_readings():
+            return  # the source was not read, or the state is not migrated to slot readings yet
+        slot = estimate_wal_budget(store, config.replication.slot, self._slot)
+        assert slot is not None
+        rates = {
+            "pg2iceberg_slot_wal_write_bytes_per_second": slot.wal_write_bytes_per_second,
+            "pg2iceberg_slot_safe_wal_shrink_bytes_per_second": slot.safe_wal_shrink_bytes_per_second,
+            "pg2iceberg_slot_seconds_until_lost": slot.seconds_until_lost,
+        }
+        for name, rate in rates.items():
+            if rate is not None:
+                families.set(name, rate)
 
     def _read_state(self, config: PipelineConfig, families: _Families) -> None:
         conn = self._connection("state", config.state_connection)
@@ -222,6 +266,7 @@ class PipelineCollector(Collector):
             lag, age = lags.get(table.key, (Lag(), 0.0))
             families.set("pg2iceberg_lag_changes", lag.changes, table.key)
             families.set("pg2iceberg_lag_seconds", age, table.key)
+        self._read_wal_budget(config, store, families)
 
     def _read_iceberg(self, config: PipelineConfig, families: _Families) -> None:
         settings = (config.iceberg, config.catalog_connection)

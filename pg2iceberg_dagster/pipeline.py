@@ -40,6 +40,7 @@ from .staging.store import ObjectStore
 from .tables import MirroredTable, MirroredTables
 from .validation import SlotInfo, StartupReport, check_startup, slot_info, slot_safety
 from .verify import TableDiff, compare_table
+from .wal_budget import estimate_wal_budget
 
 __all__ = [
     "Chunk",
@@ -416,9 +417,13 @@ class Pipeline:
         return self.store.lags(self.config.materialize.group)
 
     def slot(self) -> SlotInfo | None:
-        """The replication slot as ``pg_replication_slots`` shows it now (None when it does not exist)."""
+        """The replication slot as ``pg_replication_slots`` shows it now (None when it does not exist),
+        with its WAL budget measured since the previous reading any process took (see wal_budget.py)."""
+        self.store.migrate()
+        name = self.config.replication.slot
         with connect(self.config.source) as conn:
-            return slot_info(conn, self.config.replication.slot)
+            slot = slot_info(conn, name)
+        return estimate_wal_budget(self.store, name, slot)
 
     def iceberg_summary(self, table_key: str) -> IcebergTableSummary:
         """The mirror table's columns, row count and current snapshot."""
@@ -500,6 +505,7 @@ class Pipeline:
         """Replication and per-table progress, as plain data."""
         self.store.migrate()
         slot = self.slot()
+        safety = slot_safety(slot, self.config.replication)
         states = self.store.table_states()
         tables = []
         for table in self.config.tables:
@@ -529,7 +535,10 @@ class Pipeline:
                 "restart_lsn": format_lsn(slot.restart_lsn) if slot.restart_lsn else None,
                 "retained_wal_bytes": slot.retained_wal_bytes,
                 "safe_wal_size_bytes": slot.safe_wal_size_bytes,
-                "safety": slot_safety(slot, self.config.replication).level,
+                "max_slot_wal_keep_size_bytes": slot.max_slot_wal_keep_size_bytes,
+                **slot.wal_budget(),
+                "safety": safety.level,
+                "safety_reason": safety.reason,
             },
             "flushed_lsn": format_lsn(flushed) if flushed is not None else None,
             # A holder keeping an exported snapshot open (the source's xmin is held back meanwhile).

@@ -34,7 +34,13 @@ class SlotInfo:
     position; None once the slot lost its WAL); ``safe_wal_size_bytes`` (PG13+) how much more WAL can be
     written before the slot is in danger of losing WAL (None when ``max_slot_wal_keep_size`` is -1,
     unlimited); ``max_slot_wal_keep_size_bytes`` that setting (None: unlimited); ``inactive_seconds``
-    how long no process has streamed from it (PG17+ ``inactive_since``; None below 17 or while active)."""
+    how long no process has streamed from it (PG17+ ``inactive_since``; None below 17 or while active).
+
+    ``read_at`` (the server's clock) and ``wal_lsn`` (``pg_current_wal_lsn()``) date the reading. The
+    WAL budget (``wal_budget.estimate_wal_budget`` compares it with the previous reading) fills the last
+    three: the server's WAL write rate and the rate ``safe_wal_size`` shrinks at, in bytes per second,
+    and ``seconds_until_lost``, ``safe_wal_size`` over that rate (None while unknown, with
+    ``max_slot_wal_keep_size`` unlimited, or when ``safe_wal_size`` does not shrink)."""
 
     plugin: str
     database: str
@@ -47,6 +53,29 @@ class SlotInfo:
     safe_wal_size_bytes: int | None = None
     max_slot_wal_keep_size_bytes: int | None = None
     inactive_seconds: float | None = None
+    read_at: datetime | None = None
+    wal_lsn: int | None = None
+    wal_write_bytes_per_second: float | None = None
+    safe_wal_shrink_bytes_per_second: float | None = None
+    seconds_until_lost: float | None = None
+
+    @property
+    def minutes_until_lost(self) -> float | None:
+        """``seconds_until_lost`` in minutes."""
+        return None if self.seconds_until_lost is None else self.seconds_until_lost / 60
+
+    def wal_budget(self) -> dict[str, float | None]:
+        """The WAL budget as ``status`` and the Dagster observation show it: rates in bytes per second
+        to 0.1, minutes to 0.01 (None: not known)."""
+        return {
+            "wal_write_bytes_per_second": _rounded(self.wal_write_bytes_per_second, 1),
+            "safe_wal_shrink_bytes_per_second": _rounded(self.safe_wal_shrink_bytes_per_second, 1),
+            "minutes_until_lost": _rounded(self.minutes_until_lost, 2),
+        }
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 @dataclass(frozen=True)
@@ -88,12 +117,12 @@ def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
     row = conn.execute(
         "SELECT to_jsonb(s), pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::float8, now(), "
         "(SELECT setting::bigint * 1024 * 1024 FROM pg_settings WHERE name = 'max_slot_wal_keep_size' "
-        "AND unit = 'MB') FROM pg_replication_slots s WHERE s.slot_name = %s",
+        "AND unit = 'MB'), pg_current_wal_lsn()::text FROM pg_replication_slots s WHERE s.slot_name = %s",
         (slot,),
     ).fetchone()
     if row is None:
         return None
-    fields, retained, now, max_keep = row
+    fields, retained, now, max_keep, wal_lsn = row
     inactive_since = fields.get("inactive_since")
     inactive = None
     if inactive_since and not fields.get("active"):
@@ -110,6 +139,8 @@ def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
         safe_wal_size_bytes=fields.get("safe_wal_size"),
         max_slot_wal_keep_size_bytes=int(max_keep) if max_keep is not None and max_keep >= 0 else None,
         inactive_seconds=inactive,
+        read_at=now,
+        wal_lsn=parse_lsn(wal_lsn),
     )
 
 
@@ -119,7 +150,10 @@ def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafet
     error: the slot is gone, or lost WAL (``wal_status`` lost): the mirror must be snapshotted again.
     warn: ``wal_status`` unreserved (past ``max_slot_wal_keep_size``: the next checkpoint may remove its
     WAL); or ``safe_wal_size`` below ``slot_warn_safe_wal_fraction`` of ``max_slot_wal_keep_size``; or
-    no process streamed from it for ``slot_inactive_warn_seconds`` (PG17+, which records since when).
+    no process streamed from it for ``slot_inactive_warn_seconds`` (PG17+, which records since when);
+    or, checked right after unreserved, at the rate ``safe_wal_size`` shrinks now it reaches 0 within
+    ``slot_warn_minutes_until_lost`` (``slot.seconds_until_lost``, filled by
+    ``wal_budget.estimate_wal_budget``; a slot not read through it has no estimate and skips this rule).
     A slot that is merely inactive between the Dagster flusher's ticks is normal."""
     name = settings.slot
     if slot is None:
@@ -136,6 +170,9 @@ def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafet
             "the next checkpoint may remove WAL it needs; let the flusher catch up",
         )
     keep = slot.max_slot_wal_keep_size_bytes
+    horizon = settings.slot_warn_minutes_until_lost * 60
+    if horizon and slot.seconds_until_lost is not None and slot.seconds_until_lost < horizon:
+        return SlotSafety("warn", _wal_budget_warning(slot, name))
     if (
         keep
         and slot.safe_wal_size_bytes is not None
@@ -153,6 +190,28 @@ def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafet
             "is the flusher running?",
         )
     return SlotSafety("ok", f"replication slot {name} is {slot.wal_status or 'reserved'}")
+
+
+def _megabytes(count: float) -> str:
+    return f"{count / (1024 * 1024):.1f} MB"
+
+
+def _wal_budget_warning(slot: SlotInfo, name: str) -> str:
+    """What the WAL budget rule of :func:`slot_safety` says: how soon, at what rate, and what to do."""
+    minutes = slot.minutes_until_lost or 0.0
+    about = f"{minutes:.1f}" if minutes < 10 else f"{minutes:.0f}"
+    shrink = slot.safe_wal_shrink_bytes_per_second or 0.0
+    written = slot.wal_write_bytes_per_second
+    keep = slot.max_slot_wal_keep_size_bytes
+    return (
+        f"at the current rate of {shrink / (1024 * 1024):.2f} MB/s the replication slot {name} loses WAL in "
+        f"about {about} minutes (safe_wal_size {_megabytes(slot.safe_wal_size_bytes or 0)} left"
+        + (f", the server writes {written / (1024 * 1024):.2f} MB/s of WAL" if written is not None else "")
+        + "); start the flusher or let it catch up (`pg2iceberg-dagster stream`, `run`, or the Dagster flusher "
+        f"sensor), or raise max_slot_wal_keep_size (now {_megabytes(keep or 0)}: ALTER SYSTEM SET "
+        "max_slot_wal_keep_size = ...; SELECT pg_reload_conf()); once lost, the mirror needs "
+        "`pg2iceberg-dagster repair`"
+    )
 
 
 def _check_server(conn: psycopg.Connection) -> None:

@@ -130,6 +130,10 @@ def test_flusher_ticks_report_lag_the_slot_and_what_they_did(source: SourceDb, t
         assert again.skip_reason.skip_message.startswith("no new changes; flushed to ")
         assert staged_log not in _events(again, AssetMaterialization)
         assert SLOT_KEY in _events(again, AssetObservation)
+        # The second tick measures the WAL rate since the first (its reading is in the coordination
+        # store); with max_slot_wal_keep_size unlimited there are no minutes until lost.
+        budget = _events(again, AssetObservation)[SLOT_KEY].metadata
+        assert budget["wal_write_bytes_per_second"].value >= 0 and "minutes_until_lost" not in budget
         # Recorded on the slot asset as the daemon records them: the UI plots these.
         recorded = instance.fetch_observations(SLOT_KEY, limit=10).records
         assert len(recorded) == 2
@@ -198,7 +202,13 @@ def test_slot_safe_warns_before_the_slot_loses_wal_and_errors_once_lost(
         source,
         cluster,
         ["public.t"],
-        replication={"slot": "slot_health", "publication": "pub_health", "slot_warn_safe_wal_fraction": 0.5},
+        # The WAL budget rule is off: at the rate this test writes WAL it would warn first (test_wal_budget.py).
+        replication={
+            "slot": "slot_health",
+            "publication": "pub_health",
+            "slot_warn_safe_wal_fraction": 0.5,
+            "slot_warn_minutes_until_lost": 0,
+        },
     )
     pipeline = source.pipeline(config)
     pipeline.snapshot()

@@ -173,6 +173,22 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE _pg2iceberg.log_index ADD COLUMN first_commit_at timestamptz;
         """,
     ),
+    (
+        10,
+        """
+        -- The last reading of the replication slot and the WAL rates smoothed up to it (wal_budget.py):
+        -- every process that looks at the slot (flusher ticks, the slot check, status, metrics scrapes)
+        -- measures the rates from the previous one, whoever took it. read_at is the source's clock.
+        CREATE TABLE _pg2iceberg.slot_readings (
+            slot_name text PRIMARY KEY,
+            read_at timestamptz NOT NULL,
+            wal_lsn pg_lsn NOT NULL,
+            safe_wal_size bigint,
+            wal_write_rate float8,
+            safe_wal_shrink_rate float8
+        );
+        """,
+    ),
 ]
 
 

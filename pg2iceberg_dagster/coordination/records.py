@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,20 @@ def resync_command(table_key: str, reason: str | None) -> str:
     if is_repair(reason):
         return "`pg2iceberg-dagster repair`"
     return f"`pg2iceberg-dagster resync --table {table_key}`"
+
+
+@dataclass(frozen=True)
+class SlotReading:
+    """A reading of the replication slot kept in ``_pg2iceberg.slot_readings`` (see wal_budget.py):
+    when (``read_at``, the source's clock), the server's WAL position ``pg_current_wal_lsn()`` and the
+    slot's ``safe_wal_size`` then (None: ``max_slot_wal_keep_size`` unlimited, or the slot lost WAL),
+    and the rates in bytes per second smoothed up to it (None until two readings were compared)."""
+
+    read_at: datetime
+    wal_lsn: int
+    safe_wal_size: int | None
+    wal_write_rate: float | None = None
+    safe_wal_shrink_rate: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import psycopg
 
@@ -19,6 +19,7 @@ from .records import (
     Lag,
     LogEntry,
     PipelineMeta,
+    SlotReading,
     SnapshotEpoch,
     StagedFile,
     TableState,
@@ -155,6 +156,44 @@ class CoordinationStore:
 
     def table_state(self, table_name: str) -> TableState | None:
         return self.table_states().get(table_name)
+
+    # the replication slot's readings (wal_budget.py) ----------------------------------------------
+
+    def has_slot_readings(self) -> bool:
+        """Whether the schema has ``slot_readings`` yet (a reader that does not migrate checks first)."""
+        row = self.conn.execute("SELECT to_regclass('_pg2iceberg.slot_readings') IS NOT NULL").fetchone()
+        return bool(row and row[0])
+
+    def update_slot_reading(self, slot_name: str, advance: Callable[[SlotReading | None], SlotReading]) -> SlotReading:
+        """Replace the slot's stored reading with ``advance(stored)`` in one transaction, the stored row
+        locked meanwhile, so readers in several processes take turns; returns the new reading. A
+        reading ``advance`` returns unchanged (it was given an older one that arrived late) is not
+        written again."""
+        with self.conn.transaction():
+            row = self.conn.execute(
+                "SELECT read_at, wal_lsn::text, safe_wal_size, wal_write_rate, safe_wal_shrink_rate "
+                "FROM _pg2iceberg.slot_readings WHERE slot_name = %s FOR UPDATE",
+                (slot_name,),
+            ).fetchone()
+            stored = None if row is None else SlotReading(row[0], parse_lsn(row[1]), row[2], row[3], row[4])
+            reading = advance(stored)
+            if reading != stored:
+                self.conn.execute(
+                    "INSERT INTO _pg2iceberg.slot_readings (slot_name, read_at, wal_lsn, safe_wal_size, "
+                    "wal_write_rate, safe_wal_shrink_rate) VALUES (%s, %s, %s::pg_lsn, %s, %s, %s) "
+                    "ON CONFLICT (slot_name) DO UPDATE SET read_at = excluded.read_at, wal_lsn = excluded.wal_lsn, "
+                    "safe_wal_size = excluded.safe_wal_size, wal_write_rate = excluded.wal_write_rate, "
+                    "safe_wal_shrink_rate = excluded.safe_wal_shrink_rate",
+                    (
+                        slot_name,
+                        reading.read_at,
+                        format_lsn(reading.wal_lsn),
+                        reading.safe_wal_size,
+                        reading.wal_write_rate,
+                        reading.safe_wal_shrink_rate,
+                    ),
+                )
+        return reading
 
     def seconds_since_maintained(self) -> dict[str, float]:
         """Per registered table, seconds since maintenance last finished a pass over it. A table never

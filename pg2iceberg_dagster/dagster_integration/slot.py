@@ -1,7 +1,8 @@
 """The mirror's replication slot in Dagster: an observable asset ``[<mirror>, "replication_slot"]``
 whose observations (one per flusher tick) carry what ``pg_replication_slots`` shows, and its check
 ``slot_safe``, which warns before the slot can lose WAL and errors once it has. Both read the engine's
-one implementation (``validation.slot_info`` and ``validation.slot_safety``, as the CLI ``status``)."""
+one implementation (``Pipeline.slot``: ``validation.slot_info`` with ``wal_budget.estimate_wal_budget``,
+and ``validation.slot_safety``, as the CLI ``status``)."""
 
 from typing import Any
 
@@ -44,15 +45,18 @@ def slot_spec(mirror: Mirror) -> AssetSpec:
         description=(
             f"Replication slot {config.replication.slot} on {config.source.dbname}: the WAL the mirror has not "
             "staged yet is retained for it. Observed at every flusher tick (wal_status, active, retained WAL, "
-            f"safe_wal_size, LSNs); the {SLOT_SAFE} check warns before it can lose WAL."
+            f"safe_wal_size, LSNs, WAL write rate and minutes until it loses WAL at that rate); the {SLOT_SAFE} "
+            "check warns before it can lose WAL."
         ),
     )
 
 
 def slot_metadata(slot: SlotInfo) -> dict[str, Any]:
     """What an observation of the slot carries: numbers where numeric (the UI plots them), LSNs also as
-    text. A value the server does not report is left out (safe_wal_size without
-    max_slot_wal_keep_size, retained WAL once lost)."""
+    text, and its WAL budget (wal_budget.py: the WAL write rate, how fast safe_wal_size shrinks, and
+    the minutes until the slot loses WAL at that rate). A value that is not known is left out
+    (safe_wal_size and minutes_until_lost without max_slot_wal_keep_size, retained WAL once lost, the
+    rates before a second reading, minutes_until_lost while safe_wal_size does not shrink)."""
     values: dict[str, Any] = {
         "wal_status": slot.wal_status or "",
         "active": int(slot.active),
@@ -60,6 +64,7 @@ def slot_metadata(slot: SlotInfo) -> dict[str, Any]:
         "safe_wal_size_bytes": slot.safe_wal_size_bytes,
         "max_slot_wal_keep_size_bytes": slot.max_slot_wal_keep_size_bytes,
         "inactive_seconds": slot.inactive_seconds,
+        **slot.wal_budget(),
         "confirmed_flush_lsn": format_lsn(slot.confirmed_flush_lsn) if slot.confirmed_flush_lsn is not None else None,
         "confirmed_flush_lsn_bytes": slot.confirmed_flush_lsn,
         "restart_lsn": format_lsn(slot.restart_lsn) if slot.restart_lsn is not None else None,
@@ -78,6 +83,7 @@ def _check_metadata(slot: SlotInfo | None, settings: ReplicationConfig) -> dict[
         **(slot_metadata(slot) if slot else {}),
         "slot_warn_safe_wal_fraction": settings.slot_warn_safe_wal_fraction,
         "slot_inactive_warn_seconds": settings.slot_inactive_warn_seconds,
+        "slot_warn_minutes_until_lost": settings.slot_warn_minutes_until_lost,
     }
 
 
@@ -102,7 +108,8 @@ def slot_check(mirror: Mirror) -> AssetChecksDefinition:
         asset=slot_key(mirror),
         name=SLOT_SAFE,
         description="The replication slot keeps the WAL the mirror needs: WARN when it is close to losing "
-        "some (wal_status unreserved, safe_wal_size low, not streamed from for long), ERROR once lost.",
+        "some (wal_status unreserved, losing WAL within slot_warn_minutes_until_lost at the current rate, "
+        "safe_wal_size low, not streamed from for long), ERROR once lost.",
         required_resource_keys={mirror.resource_key},
     )
     def _slot_safe(context: AssetCheckExecutionContext) -> AssetCheckResult:
