@@ -378,12 +378,16 @@ class Pipeline:
     def tables_to_merge(self) -> set[str]:
         """The tables with staged changes to merge whose snapshot is complete (and no resync is
         replacing them): two queries, however many tables are mirrored."""
-        states = self.store.table_states()
+        mergeable = self.mergeable_tables()
         return {
             key
             for key, (lag, _age) in self.store.lags(self.config.materialize.group).items()
-            if lag.changes > 0 and key in states and states[key].mergeable
+            if lag.changes > 0 and key in mergeable
         }
+
+    def mergeable_tables(self) -> set[str]:
+        """The tables a merge may run on: snapshot complete, no resync replacing them."""
+        return {key for key, state in self.store.table_states().items() if state.mergeable}
 
     def flush_tick(self, max_seconds: float) -> FlushTick | None:
         """Stream for at most ``max_seconds``; None before the snapshot has created the slot.

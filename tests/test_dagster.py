@@ -39,6 +39,8 @@ pytestmark = pytest.mark.usefixtures("spark")
 
 
 def _write_config(source: SourceDb, tmp_path: Path, tables: list[str], **sections: Any) -> str:
+    # Quiet tables get no merge runs of their own here unless a test asks (checks.quiet_interval_seconds).
+    sections.setdefault("checks", {"quiet_interval_seconds": 0})
     config = source.config(tables, snapshot={"chunk_pages": 8, "parallelism": 2}, **sections)
     data = config.model_dump(mode="json", exclude_none=True)
     path = tmp_path / "pg2iceberg.yaml"
@@ -335,6 +337,37 @@ def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb
         checks = {e.check_name: e for e in merged.get_asset_check_evaluations()}
         assert checks[PK_UNIQUE].passed and checks[SCHEMA_MATCHES].passed and checks[MATCHES_SOURCE].passed
     assert_mirrored(pipeline)
+
+
+def test_a_quiet_table_is_merged_and_checked_every_quiet_interval(source: SourceDb, tmp_path: Path) -> None:
+    """A table with nothing to merge joins a merge run once it had none for
+    ``checks.quiet_interval_seconds``: its checks compare it with the source (rather than never running)
+    and it is materialized with no changes; within the interval it is left alone."""
+    for name in ("busy", "quiet"):
+        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.{name} SELECT g, 'v' || g FROM generate_series(1, 200) g")
+    tables = ["public.busy", "public.quiet"]
+    keys = {name: AssetKey(["iceberg", f"{source.name}_public", name]) for name in ("busy", "quiet")}
+    pipeline = source.pipeline(source.config(tables))
+    pipeline.snapshot()
+    source.execute("UPDATE public.busy SET v = v || '+' WHERE id = 1")
+    pipeline.stream(until_caught_up=True)
+    config_path = _write_config(source, tmp_path, tables, checks={"quiet_interval_seconds": 3600})
+    defs = build_definitions(config_path)
+    with instance_for_test() as instance:
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and sorted(request.asset_selection) == sorted(keys.values()), "never checked: due"
+        merged = _launch(defs, instance, request)
+        assert merged.success
+        quiet = [e for e in merged.get_asset_check_evaluations() if e.asset_key == keys["quiet"]]
+        assert {e.check_name for e in quiet} >= {PK_UNIQUE, MATCHES_SOURCE, SCHEMA_MATCHES}
+        assert all(e.passed for e in quiet)
+        (compared,) = [e for e in quiet if e.check_name == MATCHES_SOURCE]
+        assert compared.metadata["compared"].value is True
+        materialized = {e.asset_key: e.materialization for e in merged.get_asset_materialization_events()}
+        assert materialized[keys["quiet"]].metadata["changes_applied"].value == 0
+
+        assert _merge_requested(defs, instance, config_path) is None, "checked within the interval: left alone"
 
 
 def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source: SourceDb, tmp_path: Path) -> None:

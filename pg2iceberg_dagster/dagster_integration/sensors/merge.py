@@ -2,7 +2,9 @@
 requests one run of the merge job (``<mirror>_merge``) for them all, each table tagged. A table is left
 out while a merge run of it is queued or running, and until ``materialize.min_run_interval_seconds``
 have passed since its last merge run was created: a busy table then merges several flushes per run
-instead of paying a run's start-up for each."""
+instead of paying a run's start-up for each. A quiet table (nothing to merge) joins a run when it has
+had none for ``checks.quiet_interval_seconds``: its checks then say how it is now, rather than never
+running, and its materialization (no changes) shows it up to date."""
 
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ def _seconds_since_last_run(context: SensorEvaluationContext, job_name: str, tab
     return time.time() - records[0].create_timestamp.timestamp() if records else None
 
 
+def _quiet_due(context: SensorEvaluationContext, job_name: str, table_key: str, interval: float) -> bool:
+    """Whether the quiet ``table_key`` had no merge run (so no checks) for ``interval`` seconds."""
+    since = _seconds_since_last_run(context, job_name, table_key)
+    return since is None or since >= interval
+
+
 def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDefinition:
     """The mirror's merge sensor (``<mirror>_merge``), launching ``job`` (the merge job)."""
     tables = {table.key: table for table in mirror.tables}
@@ -56,15 +64,16 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
         default_status=DefaultSensorStatus.RUNNING,
         description="Launches one run of the merge job for the live tables whose staged log is ahead of "
         "Iceberg (snapshot complete, no resync pending), leaving out a table whose merge run is still "
-        "in progress or started less than materialize.min_run_interval_seconds ago.",
+        "in progress or started less than materialize.min_run_interval_seconds ago; a quiet table joins "
+        "a run every checks.quiet_interval_seconds, for its checks.",
     )
     def _merge(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
             lagging = sorted(key for key in pipeline.tables_to_merge() if key in tables)
+            quiet = sorted(key for key in pipeline.mergeable_tables() - set(lagging) if key in tables)
             interval = pipeline.config.materialize.min_run_interval_seconds
-        if not lagging:
-            return SkipReason("no table lags")
-        merging = _merging(context, job.name, lagging)
+            quiet_interval = pipeline.config.checks.quiet_interval_seconds
+        merging = _merging(context, job.name, [*lagging, *quiet])
         waiting: list[str] = []
         ready: list[str] = []
         for key in lagging:
@@ -72,11 +81,18 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
                 continue
             since = _seconds_since_last_run(context, job.name, key) if interval > 0 else None
             (waiting if since is not None and since < interval else ready).append(key)
-        if not ready:
+        due = [
+            key
+            for key in quiet
+            if quiet_interval > 0 and key not in merging and _quiet_due(context, job.name, key, quiet_interval)
+        ]
+        if not ready and not due:
             return SkipReason(
                 f"lagging: {len(lagging)} tables; merging now: {len(merging)}; "
-                f"merged less than {interval:g} s ago: {len(waiting)}"
+                f"merged less than {interval:g} s ago: {len(waiting)}; quiet and checked within "
+                f"{quiet_interval:g} s: {len(quiet) - len(due)}"
             )
+        ready += due
         keys = [mirror.key(tables[key], "iceberg") for key in ready]
         return SensorResult(
             run_requests=[
