@@ -371,8 +371,9 @@ class ChecksConfig(_Strict):
     # 2M bigint keys took 0.75 s and 250 MiB), in the same slice above it.
     unique_keys_max_rows: int = Field(2_000_000, ge=1)
     # A quiet table (nothing to merge) still gets a merge run with its checks at least this often, so
-    # its checks say how it is now rather than never running (0: only when it lags).
-    quiet_interval_seconds: float = Field(600.0, ge=0)
+    # its checks say how it is now rather than never running, and its freshness policy sees it current
+    # (0: only when it lags). Default: half the freshness warn window, else 600 s.
+    quiet_interval_seconds: float | None = Field(None, ge=0)
 
 
 class MaintenanceConfig(_Strict):
@@ -497,6 +498,14 @@ class PipelineConfig(_Strict):
         if settings.freshness_warn_seconds is None and warn is not None and warn >= fail:
             warn = fail / 3 if fail / 3 >= 60 else None
         return warn, fail
+
+    def quiet_interval(self) -> float:
+        """Seconds a quiet table goes without a merge run (and its checks): ``checks.quiet_interval_seconds``,
+        by default half the freshness warn (or fail) window, so a current table never looks stale."""
+        if self.checks.quiet_interval_seconds is not None:
+            return self.checks.quiet_interval_seconds
+        windows = self.freshness_windows()
+        return (windows[0] or windows[1]) / 2 if windows else 600.0
 
     @model_validator(mode="after")
     def _freshness_order(self) -> PipelineConfig:

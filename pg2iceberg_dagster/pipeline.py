@@ -110,15 +110,12 @@ class SnapshotPlan:
 
 @dataclass(frozen=True)
 class TableProgress:
-    """Where one table stands after a flusher tick: the changes the tick staged, the unmerged ``lag``
-    (in changes) and ``lag_seconds`` (see :meth:`Pipeline.lags`), and whether the Iceberg table is
-    ``current``: its snapshot is complete, no resync replaces it and nothing is left to merge, so it
-    holds every change of the source through the tick's flushed LSN."""
+    """Where one table stands after a flusher tick: the changes the tick staged, and the unmerged
+    ``lag`` (in changes) and ``lag_seconds`` (see :meth:`Pipeline.lags`)."""
 
     staged: int
     lag: Lag
     lag_seconds: float
-    current: bool
 
 
 @dataclass(frozen=True)
@@ -402,13 +399,10 @@ class Pipeline:
         merges_elsewhere.set()
         stats = self.stream(max_seconds=max_seconds, merge_idle=merges_elsewhere)
         lags = self.lags()  # one query for every table
-        states = self.store.table_states()
         tables = {}
         for key in self.tables:
             lag, seconds = lags.get(key, (Lag(), 0.0))
-            state = states.get(key)
-            current = lag.changes == 0 and state is not None and state.mergeable
-            tables[key] = TableProgress(stats.rows_by_table.get(key, 0), lag, seconds, current)
+            tables[key] = TableProgress(stats.rows_by_table.get(key, 0), lag, seconds)
         return FlushTick(stats.flushed_lsn, tables, self.slot())
 
     def lags(self) -> dict[str, tuple[Lag, float]]:

@@ -165,8 +165,9 @@ def _content_check_result(report: TableCheckReport, key: Any) -> AssetCheckResul
         )
     if content.failed:
         description = (
-            f"{content.unexplained:,} differences no change after the merged position explains "
-            f"(merged up to {content.merged_lsn_text}, source compared at {content.source_lsn_text})"
+            f"{content.unexplained:,} rows differ from the source with no change after the merged position to "
+            f"explain them (merged up to {content.merged_lsn_text}, source compared at {content.source_lsn_text}); "
+            "`pg2iceberg-dagster repair --table` of this table writes exactly the differences"
         )
         return AssetCheckResult(
             asset_key=key,

@@ -1,18 +1,15 @@
 """The WAL flusher as a sensor: each tick streams for a bounded time, stages what committed, and
-reports a materialization of each table's staged-log asset, the replication slot's observation and
-check, and that a live table with nothing to merge is current (for its freshness policy). The CLI
+reports a materialization of each table's staged-log asset and the replication slot's observation and
+check. (A live table with nothing to merge is kept fresh by a merge run with its checks, see
+``sensors/merge.py``: a runless report here would hide its check results.) The CLI
 ``stream`` runs the same flusher as a long-lived process; only one can hold the slot, and the other
 is told so (skip, no crash loop).
 
 The process that evaluates it (the code location server) also serves the pipeline's Prometheus
 metrics when ``metrics.port`` is set (``pg2iceberg_dagster/metrics.py``)."""
 
-import time
-from collections.abc import Callable
-
 from dagster import (
     AssetCheckEvaluation,
-    AssetKey,
     AssetMaterialization,
     AssetObservation,
     DefaultSensorStatus,
@@ -53,31 +50,6 @@ def _staged_log_event(
     )
 
 
-def _current_event(mirror: Mirror, table: TableConfig, tick: FlushTick) -> AssetMaterialization:
-    """The live table has nothing to merge: it holds every source change through the flushed LSN.
-    Reported as a materialization because that is what Dagster's freshness policies count (an
-    observation would not), with no new Iceberg snapshot behind it (``changes_applied`` 0)."""
-    return AssetMaterialization(
-        asset_key=mirror.key(table, "iceberg"),
-        description=f"no changes to merge: current through {tick.flushed_lsn_text}",
-        metadata={
-            "dagster/table_name": mirror.iceberg_table_name(table),
-            "changes_applied": 0,
-            "lag": 0,
-            "lag_seconds": 0.0,
-            "current_through_lsn": tick.flushed_lsn_text,
-            "current_through_lsn_bytes": tick.flushed_lsn,
-        },
-    )
-
-
-def _current_due(context: SensorEvaluationContext, key: AssetKey, every_seconds: float, now: float) -> bool:
-    """Whether the live table ``key`` was last materialized ``every_seconds`` before ``now`` or earlier
-    (or never)."""
-    last = context.instance.get_latest_materialization_event(key)
-    return last is None or now - last.timestamp >= every_seconds
-
-
 def tick_summary(tick: FlushTick) -> str:
     """What a tick did, in a line: ``staged N changes of K tables up to LSN X`` or ``no new changes``."""
     staged = tick.staged
@@ -87,20 +59,13 @@ def tick_summary(tick: FlushTick) -> str:
     return f"staged {changes} changes of {len(staged)} tables up to LSN {tick.flushed_lsn_text}"
 
 
-def flusher_sensor(
-    mirror: Mirror, tick_seconds: float = TICK_SECONDS, clock: Callable[[], float] = time.time
-) -> SensorDefinition:
-    """The mirror's flusher: each tick streams for at most ``tick_seconds``. ``clock`` is the time the
-    materialization timestamps are compared with (tests pass Dagster's, which they can freeze).
+def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> SensorDefinition:
+    """The mirror's flusher: each tick streams for at most ``tick_seconds``.
 
     A tick reports, as runless asset events: a materialization of each table's staged log it staged
     changes of (with ``lag`` and ``lag_seconds``); an observation of the replication slot and its
-    ``slot_safe`` check; and, when freshness policies are on, a materialization of each live table
-    with nothing to merge whose last materialization is half a warn window old, so a quiet table stays
-    fresh while one whose merges stopped goes stale. It requests no runs, so Dagster shows every tick
+    ``slot_safe`` check. It requests no runs, so Dagster shows every tick
     as skipped: its skip reason says what it did (``staged N changes of K tables up to LSN X``)."""
-    windows = mirror.config.freshness_windows()
-    current_every = (windows[0] or windows[1]) / 2 if windows else None
     tables = {table.key: table for table in mirror.tables}
 
     @mirror_sensor(
@@ -136,15 +101,6 @@ def flusher_sensor(
             for key, progress in tick.staged.items()
             if key in tables
         ]
-        if current_every is not None:
-            now = clock()
-            events.extend(
-                _current_event(mirror, tables[key], tick)
-                for key, progress in tick.tables.items()
-                if key in tables
-                and progress.current
-                and _current_due(context, mirror.key(tables[key], "iceberg"), current_every, now)
-            )
         if tick.slot is not None:
             events.append(slot_observation(mirror, tick.slot))
         events.append(slot_check_evaluation(mirror, tick.slot))

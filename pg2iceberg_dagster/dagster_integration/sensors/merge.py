@@ -3,8 +3,9 @@ requests one run of the merge job (``<mirror>_merge``) for them all, each table 
 out while a merge run of it is queued or running, and until ``materialize.min_run_interval_seconds``
 have passed since its last merge run was created: a busy table then merges several flushes per run
 instead of paying a run's start-up for each. A quiet table (nothing to merge) joins a run when it has
-had none for ``checks.quiet_interval_seconds``: its checks then say how it is now, rather than never
-running, and its materialization (no changes) shows it up to date."""
+had none for ``checks.quiet_interval_seconds`` (by default half the freshness warn window): its checks
+then say how it is now, rather than never running, and its materialization (no changes applied) is
+what keeps its freshness policy satisfied."""
 
 from __future__ import annotations
 
@@ -65,14 +66,14 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
         description="Launches one run of the merge job for the live tables whose staged log is ahead of "
         "Iceberg (snapshot complete, no resync pending), leaving out a table whose merge run is still "
         "in progress or started less than materialize.min_run_interval_seconds ago; a quiet table joins "
-        "a run every checks.quiet_interval_seconds, for its checks.",
+        "a run every checks.quiet_interval_seconds, for its checks and freshness.",
     )
     def _merge(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
             lagging = sorted(key for key in pipeline.tables_to_merge() if key in tables)
             quiet = sorted(key for key in pipeline.mergeable_tables() - set(lagging) if key in tables)
             interval = pipeline.config.materialize.min_run_interval_seconds
-            quiet_interval = pipeline.config.checks.quiet_interval_seconds
+            quiet_interval = pipeline.config.quiet_interval()
         merging = _merging(context, job.name, [*lagging, *quiet])
         waiting: list[str] = []
         ready: list[str] = []
