@@ -38,7 +38,7 @@ from .source.lsn import format_lsn
 from .source.selection import resolve_tables, resolve_tables_left_out
 from .staging.store import ObjectStore
 from .tables import MirroredTable, MirroredTables
-from .validation import SlotInfo, StartupReport, check_startup, slot_info, slot_safety
+from .validation import SlotInfo, SlotSafety, StartupReport, check_startup, slot_info, slot_safety
 from .verify import TableDiff, compare_table
 from .wal_budget import estimate_wal_budget
 
@@ -53,6 +53,8 @@ __all__ = [
     "PipelineMetrics",
     "RepairResult",
     "ResyncResult",
+    "SlotInfo",
+    "SlotSafety",
     "SnapshotPlan",
     "TableCheckReport",
     "TableDiff",
@@ -63,8 +65,10 @@ __all__ = [
     "TableStatus",
     "build_spark_session",
     "compaction_due",
+    "format_lsn",
     "resolve_tables",
     "serve_metrics_once",
+    "slot_safety",
     "warm_spark_session",
 ]
 

@@ -19,8 +19,7 @@ from dagster import (
 )
 
 from pg2iceberg_dagster.config import ReplicationConfig
-from pg2iceberg_dagster.source.lsn import format_lsn
-from pg2iceberg_dagster.validation import SlotInfo, SlotSafety, slot_safety
+from pg2iceberg_dagster.pipeline import SlotInfo, SlotSafety, format_lsn, slot_safety
 
 from .mirror import MIRROR_TAG, Mirror
 

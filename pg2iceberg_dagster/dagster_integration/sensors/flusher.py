@@ -21,8 +21,7 @@ from dagster import (
 
 from pg2iceberg_dagster.config import TableConfig
 from pg2iceberg_dagster.errors import SlotBusyError, StartupCheckError
-from pg2iceberg_dagster.pipeline import FlushTick, TableProgress, serve_metrics_once
-from pg2iceberg_dagster.validation import slot_safety
+from pg2iceberg_dagster.pipeline import FlushTick, TableProgress, serve_metrics_once, slot_safety
 
 from ..mirror import Mirror
 from ..resources import Pg2IcebergResource
