@@ -159,3 +159,25 @@ def reconcile(
                     sql.Identifier(publication), table_entries(entered, conn.info.server_version)
                 )
             )
+
+
+def describe_policy(table: SourceTable, version: int) -> list[str]:
+    """What ``validate`` says of a table's column selection, masks and row filter, and who applies them:
+    the server (nothing it filters leaves it) or the client (the values leave the server)."""
+    server = version >= MIN_SERVER_FILTER_VERSION
+    lines = []
+    if table.column_selection:
+        where = (
+            "by the server (the publication's column list): their values never leave it"
+            if server
+            else f"by the client (PostgreSQL {version // 10000} has no publication column lists): their values "
+            "reach the flusher, which drops them before staging"
+        )
+        left_out = ", ".join(table.excluded) or "none now; a column added later is never written"
+        lines.append(f"columns: {len(table.columns)} mirrored, left out {where}: {left_out}")
+    if table.masks:
+        masks = ", ".join(f"{name} ({mask.policy})" for name, mask in table.masks)
+        lines.append(f"masked by the client before anything is staged (the raw values leave the server): {masks}")
+    if table.row_filter:
+        lines.append(f"rows: only where {table.row_filter}, filtered by the server (the publication's row filter)")
+    return lines
