@@ -289,3 +289,28 @@ def test_a_masked_column_renamed_while_streaming_stays_masked_and_the_next_start
     with pytest.raises(StartupCheckError, match=r"mask names phone, which the table does not have \(renamed"):
         source.pipeline(source.config([{"name": "public.people", "mask": {"phone": "redact"}}])).validate()
     assert_mirrored(source.pipeline(source.config([{"name": "public.people", "mask": {"mobile": "redact"}}])))
+
+
+def test_a_publication_made_by_the_tables_owner_is_taken_by_a_role_that_may_not_try_it(source: SourceDb) -> None:
+    """A replication role that does not own the table cannot try its entry (it may not create a
+    publication for it, nor plan an UPDATE): the owner's publication is taken when its column list is
+    the configured one and it has a filter, and refused when it sends the table whole."""
+    role = f"{source.name}_reader"
+    for statement in [
+        "CREATE TABLE public.t (id int, tenant int, v text, secret text, PRIMARY KEY (id, tenant))",
+        f"CREATE ROLE {role} LOGIN REPLICATION",
+        f"GRANT SELECT ON public.t TO {role}",
+        f"GRANT CREATE ON DATABASE {source.name} TO {role}",
+        f"CREATE PUBLICATION pub_{source.name} FOR TABLE public.t (id, tenant, v) WHERE (tenant = 1) "
+        "WITH (publish_via_partition_root = true)",
+    ]:
+        source.execute(statement)
+    entry = {"name": "public.t", "columns": {"exclude": ["secret"]}, "where": "tenant = 1"}
+    connection = {"host": "127.0.0.1", "port": source.pg.port, "dbname": source.name, "user": role}
+    replication = {"slot": f"slot_{source.name}", "publication": f"pub_{source.name}", "create_publication": False}
+    config = source.config([entry], source=connection, replication=replication)
+    report = source.pipeline(config).validate()
+    assert [c.name for c in report.tables["public.t"].columns] == ["id", "tenant", "v"]
+    source.execute(f"ALTER PUBLICATION pub_{source.name} SET TABLE public.t")
+    with pytest.raises(StartupCheckError, match=r"sends public.t with another column list or row filter"):
+        source.pipeline(config).validate()

@@ -11,6 +11,7 @@ filter, which is what an existing publication is compared with.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 import psycopg
@@ -21,6 +22,9 @@ from .catalog import SourceTable, publication_tables
 from .policy import MIN_SERVER_FILTER_VERSION, PublishedPolicy, published_policies
 
 _TRIAL_PUBLICATION = "pg2iceberg_filter_trial"
+# Stands for a row filter the server was not asked about (see try_entries).
+UNTRIED = "<not tried>"
+log = logging.getLogger(__name__)
 
 
 def server_filters(table: SourceTable) -> bool:
@@ -69,6 +73,12 @@ def try_entries(conn: psycopg.Connection, tables: Sequence[SourceTable]) -> dict
                 )
                 _refuse_failing_writes(conn, table)
                 tried[table.key] = published_policies(conn, _TRIAL_PUBLICATION)[table.key]
+        except psycopg.errors.InsufficientPrivilege:
+            # Not the table's owner (nor allowed to plan an UPDATE): a publication made by its owner is
+            # taken as it is, its filter compared by presence only (the server took it already).
+            log.warning("%s: not the owner, so its row filter and column list are not tried", table.key)
+            columns = frozenset(column.name for column in table.columns) if table.column_selection else None
+            tried[table.key] = PublishedPolicy(columns, UNTRIED if table.row_filter else None)
         except psycopg.Error as exc:
             raise StartupCheckError(_refusal(table, exc)) from None
     return tried
@@ -108,10 +118,16 @@ def differing(
     """The keys of ``tables`` the publication lists with another column list or row filter than their
     config asks for (``wanted``, from :func:`try_entries`; absent: no list, no filter)."""
     unfiltered = PublishedPolicy(None, None)
+
+    def same(now: PublishedPolicy, asked: PublishedPolicy) -> bool:
+        if asked.row_filter == UNTRIED:
+            return now.columns == asked.columns and now.row_filter is not None
+        return now == asked
+
     return [
         table.key
         for table in tables
-        if table.key in published and published[table.key] != wanted.get(table.key, unfiltered)
+        if table.key in published and not same(published[table.key], wanted.get(table.key, unfiltered))
     ]
 
 
