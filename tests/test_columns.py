@@ -195,6 +195,7 @@ def test_bad_policies_are_refused_before_anything_is_written(source: SourceDb, m
         ({"where": "no_such_column = 1"}, StartupCheckError, r"no_such_column"),
         ({"where": "tenant = 1"}, StartupCheckError, r"replica identity"),
         ({"columns": {"exclude": ["id"]}}, StartupCheckError, r"leaves out id, a primary key"),
+        ({"mask": {"id": "redact"}}, StartupCheckError, r"mask names the primary key column\(s\) id"),
         ({"mask": {"v": "hash"}, "mask_key_env": KEY_ENV}, ConfigError, rf"{KEY_ENV} is not set"),
     ]
     for extra, error, message in cases:

@@ -112,6 +112,12 @@ def selected_columns(
             f"{table.key}: mask names {', '.join(masked_unknown)}, which the table does not have (renamed or "
             "dropped?): write the column's name as it is now in the config's mask"
         )
+    masked_key = [name for name in key if name in table.mask]
+    if masked_key:
+        raise StartupCheckError(
+            f"{table.key}: mask names the primary key column(s) {', '.join(masked_key)}: deletes and key changes "
+            "carry them unmasked, so they could not be matched; remove them from mask (exclude other columns)"
+        )
     if table.columns is None:
         return list(names), []
     listed = table.columns.include if table.columns.include is not None else table.columns.exclude or []
