@@ -81,7 +81,8 @@ class RelationInfo:
 
     @property
     def staged_relation(self) -> StagedRelation:
-        """The relation staged files record: the columns the stream sends, then the computed ones."""
+        """The relation staged files record: the columns staged of those the stream sends, then the
+        computed ones."""
         relation = self.relation
         if self.staged_positions is not None:
             relation = dataclasses.replace(relation, columns=tuple(relation.columns[i] for i in self.staged_positions))
@@ -181,7 +182,8 @@ class MessageBatch:
 
     def encode(self, info: RelationInfo, rows: pa.Array, complete: CompleteRows | None = None) -> EncodedSegment:
         """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending); ``complete``
-        adds the values of generated columns the stream does not send (required for such a table)."""
+        adds the values the stream does not send (required for a table with generated columns or a row
+        filter, see :data:`CompleteRows`)."""
         columns = _Decoder(self, info, rows).columns()
         if info.generated is not None or info.table.row_filter:
             if complete is None:
