@@ -307,7 +307,9 @@ class TableChecker:
         """One table's checks (see :meth:`check_tables`); a comparison's differences are accounted
         for afterwards."""
         conn = lane.source()
-        source = describe_table(conn, self.tables[table_key].config, TypeResolver(conn))
+        source = describe_table(
+            conn, self.tables[table_key].config, TypeResolver(conn), self.config.replication.publication
+        )
         # The merge position before the table: the cursor moves only after the Iceberg commit, so the
         # table loaded next holds every change before it (and maybe some after).
         lag = lane.store.lag(self.config.materialize.group, table_key)

@@ -24,6 +24,7 @@ from .errors import NOT_CURRENT_EXIT_CODE, ConfigError, Pg2IcebergError
 from .lifecycle import run_following_config
 from .pipeline import Pipeline, RepairResult, TableRepairResult
 from .source.lsn import format_lsn
+from .source.publication_policy import describe_policy
 from .verify import print_diffs
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ def cmd_validate(pipeline: Pipeline, args: argparse.Namespace) -> int:
     print(f"    slot {pipeline.config.replication.slot}: {'exists' if report.slot else 'not created yet'}")
     for key, table in report.tables.items():
         print(f"    {key}: {len(table.columns)} columns, primary key ({', '.join(table.primary_key)})")
+        for line in describe_policy(table, report.server_version):
+            print(f"      {line}")
     for key, reason in pipeline.left_out.items():
         print(f"    {key}: left out of its schema entry: {reason}")
     _print_no_longer_configured(pipeline.no_longer_configured())

@@ -102,6 +102,29 @@ def _sort_expression(value: str) -> str:
     return value
 
 
+MaskPolicy = Literal["hash", "null", "redact"]
+
+
+class ColumnSelection(_Strict):
+    """Which columns of a table are mirrored: ``include`` (only these) or ``exclude`` (all but these),
+    not both (``source/policy.py`` applies them; docs/columns.md)."""
+
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_list(self) -> ColumnSelection:
+        if (self.include is None) == (self.exclude is None):
+            raise ValueError("give either include or exclude (a list of column names), not both")
+        listed = self.include if self.include is not None else self.exclude
+        if self.include is not None and not listed:
+            raise ValueError("include must list at least one column")
+        repeated = repeated_columns(listed or [])
+        if repeated:
+            raise ValueError(f"column {repeated[0]} is listed twice")
+        return self
+
+
 class TableConfig(_Strict):
     """One source table. ``primary_key`` overrides the declared key (for tables without one).
 
@@ -114,6 +137,26 @@ class TableConfig(_Strict):
     iceberg_name: str | None = None
     partition_by: list[Annotated[str, AfterValidator(_partition_expression)]] | None = None
     sort_by: list[Annotated[str, AfterValidator(_sort_expression)]] | None = None
+    # Column selection, masking and a row filter (docs/columns.md): excluded columns and filtered rows
+    # stay on the server (PostgreSQL 15+); masked values are replaced by the client before staging.
+    columns: ColumnSelection | None = None
+    mask: dict[str, MaskPolicy] = {}
+    # The environment variable holding the secret key of ``hash`` masks (never in the file or logs).
+    mask_key_env: str | None = None
+    where: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _mask_rules(self) -> TableConfig:
+        if "hash" in self.mask.values() and not self.mask_key_env:
+            raise ValueError("mask: hash needs mask_key_env, the environment variable holding the secret key")
+        excluded = set(self.columns.exclude or []) if self.columns else set()
+        included = set(self.columns.include or []) if self.columns and self.columns.include is not None else None
+        for name in self.mask:
+            if name in excluded or (included is not None and name not in included):
+                raise ValueError(f"mask: column {name} is not mirrored (columns leaves it out): mask or leave out")
+            if self.primary_key and name in self.primary_key:
+                raise ValueError(f"mask: column {name} is in primary_key, which is never masked")
+        return self
 
     @field_validator("name")
     @classmethod

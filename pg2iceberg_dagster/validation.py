@@ -18,9 +18,10 @@ from .errors import SlotLostError, StartupCheckError, UnsupportedTypeError
 from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
-from .source.catalog import SourceTable, TypeResolver, describe_table, publication_tables, server_version, table_list
+from .source.catalog import SourceTable, TypeResolver, describe_table, publication_tables, server_version
 from .source.connection import connect
 from .source.lsn import format_lsn, parse_lsn
+from .source.publication_policy import reconcile, refuse_unfilterable, table_entries, try_entries
 
 SLOT_RECORD_WAIT_SECONDS = 30.0
 
@@ -254,6 +255,8 @@ def ensure_publication(
     publication has lost changes, so re-adding it is not enough.
     """
     name = config.replication.publication
+    refuse_unfilterable(tables, conn.info.server_version)
+    wanted = try_entries(conn, tables)  # refuses, with the server's reason, a filter it would not take
     row = conn.execute(
         "SELECT pubviaroot, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication "
         "WHERE pubname = %s",
@@ -276,7 +279,7 @@ def ensure_publication(
             # A partitioned parent's changes are sent as its own (not its leaves'): one Iceberg table.
             conn.execute(
                 sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)").format(
-                    sql.Identifier(name), table_list(tables)
+                    sql.Identifier(name), table_entries(tables, conn.info.server_version)
                 )
             )
             return
@@ -296,6 +299,7 @@ def ensure_publication(
             f"publication {name} does not publish insert, update, delete and truncate; "
             f"run ALTER PUBLICATION {name} SET (publish = 'insert, update, delete, truncate')"
         )
+    reconcile(conn, name, tables, wanted, mirrored, config.replication.create_publication)
     covered = publication_tables(conn, name)
     missing = [t.key for t in tables if t.key not in covered]
     dropped = [key for key in missing if key in mirrored]
@@ -313,7 +317,7 @@ def ensure_publication(
         # changes stream from here on, and its snapshot (taken after this) covers everything before.
         conn.execute(
             sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
-                sql.Identifier(name), table_list(t for t in tables if t.key in missing)
+                sql.Identifier(name), table_entries((t for t in tables if t.key in missing), conn.info.server_version)
             )
         )
     elif missing:
@@ -420,7 +424,7 @@ def _describe_tables(
             state = states.get(configured.key)
             if state is not None:
                 _refuse_renamed(configured, state.pg_oid, names.get(state.pg_oid))
-            table = describe_table(conn, configured, resolver)
+            table = describe_table(conn, configured, resolver, config.replication.publication)
             try:
                 iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
             except UnsupportedTypeError as exc:

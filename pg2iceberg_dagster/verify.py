@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from .maintenance.health import summary_health
 from .source.catalog import TEXT_OID, SourceTable
 from .source.connection import consistent_read
 from .source.partitions import row_holders
+from .source.policy import ColumnMask
 
 
 @dataclass
@@ -164,8 +166,14 @@ def copy_batches(
     """
     columns = sql.SQL(", ").join(sql.Identifier(column.name) for column in source.columns)
     condition = where.condition() if where is not None else _EVERY_ROW
+    if source.row_filter:  # the rows the publication and the snapshot mirror
+        condition = sql.SQL("{} AND {}").format(condition, source.row_filter_sql())
     query = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT").format(columns, source.rows_sql(), condition)
-    loaders = text_loaders(source.columns, rule)
+    loaders = list(text_loaders(source.columns, rule))
+    for position, column in enumerate(source.columns):
+        mask = source.mask_of(column.name)
+        if mask is not None:  # masked as the snapshot and the flusher mask it, from the same text
+            loaders[position] = functools.partial(_masked, mask, loaders[position])
 
     def as_arrow(values: list[list[object]], rows: int) -> pa.Table:
         by_name = {column.name: column_values for column, column_values in zip(source.columns, values, strict=True)}
@@ -191,6 +199,12 @@ def copy_batches(
                 values, rows = [[] for _ in source.columns], 0
     if rows:
         yield as_arrow(values, rows)
+
+
+def _masked(mask: ColumnMask, load: Callable[[bytes], Any], text: bytes) -> Any:
+    """A masked column's value: the mask of its text, then loaded as the (text) column it is mirrored as."""
+    masked = mask.text(text.decode())
+    return None if masked is None else load(masked.encode())
 
 
 def copy_rows(

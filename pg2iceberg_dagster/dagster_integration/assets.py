@@ -42,10 +42,12 @@ SCHEMA_MATCHES = "schema_matches_source"
 FILES_COMPACT = "files_compact"
 
 
-def _table_schema(summary: IcebergTableSummary) -> TableSchema:
+def _table_schema(mirror: Mirror, table: TableConfig, summary: IcebergTableSummary) -> TableSchema:
+    """The Iceberg table's columns (excluded ones are not there), each described by the translator."""
+    describe = mirror.translator.column_description
     return TableSchema(
         columns=[
-            TableColumn(name, type_name, description="primary key" if in_key else None)
+            TableColumn(name, type_name, description=describe(table, name, in_key))
             for name, type_name, in_key in summary.columns
         ]
     )
@@ -90,7 +92,7 @@ def _merge_metadata(
     (0 when the merge left nothing unmerged, see :meth:`Pipeline.lags`)."""
     return {
         "dagster/table_name": mirror.iceberg_table_name(table),
-        "dagster/column_schema": _table_schema(summary),
+        "dagster/column_schema": _table_schema(mirror, table, summary),
         "dagster/row_count": summary.row_count,
         "changes_applied": result.changes,
         "rows_upserted": result.upserts,

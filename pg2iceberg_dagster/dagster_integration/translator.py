@@ -39,6 +39,14 @@ DEFAULT_NAME = "pg2iceberg"
 SUFFIX_HEX = 6
 
 
+# How each mask policy shows in the live table's column schema.
+MASK_DESCRIPTIONS = {
+    "hash": "hash: hex HMAC-SHA256 of the value, the same for equal values",
+    "null": "null: always NULL",
+    "redact": "redact: a fixed string where the value is not NULL",
+}
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
@@ -224,8 +232,32 @@ class Pg2IcebergTranslator:
         namespace, name = self.config.iceberg_identifier(table)
         return f"{self.config.iceberg.catalog.name}.{namespace}.{name}"
 
+    def column_description(self, table: TableConfig, column: str, in_key: bool) -> str | None:
+        """What the live table's column schema says of a column: the key, or how it is masked (an
+        excluded column is not in the Iceberg table at all)."""
+        policy = table.mask.get(column)
+        if policy is not None:
+            return f"masked ({MASK_DESCRIPTIONS[policy]}), by the client before staging"
+        return "primary key" if in_key else None
+
+    def policy_description(self, table: TableConfig) -> str:
+        """The live table's column selection, masks and row filter in words ('' when it has none)."""
+        parts = []
+        if table.columns is not None and table.columns.include is not None:
+            parts.append(f"Only the columns {', '.join(table.columns.include)} are mirrored.")
+        elif table.columns is not None:
+            parts.append(f"The columns {', '.join(table.columns.exclude or [])} are left out (never leave the server).")
+        if table.mask:
+            parts.append(
+                "Masked: " + ", ".join(f"{name} ({policy})" for name, policy in sorted(table.mask.items())) + "."
+            )
+        if table.where:
+            parts.append(f"Only the rows where {table.where}.")
+        return " ".join(parts)
+
     def description(self, table: TableConfig, role: str) -> str:
         iceberg = self.iceberg_table_name(table)
+        policy = self.policy_description(table)
         return {
             "source": f"PostgreSQL table {table.key} (replicated through slot {self.config.replication.slot}).",
             "staged_log": f"Committed WAL changes of {table.key} staged as Parquet files and registered in "
@@ -233,5 +265,5 @@ class Pg2IcebergTranslator:
             "snapshot": f"Initial snapshot of {table.key} into the Iceberg table {iceberg}, one partition per CTID "
             "page chunk. Writes the same Iceberg table as the live asset.",
             "iceberg": f"The live Iceberg table {iceberg}: the staged log MERGEd by primary key through Spark. "
-            "Writes the same Iceberg table as the snapshot asset.",
+            "Writes the same Iceberg table as the snapshot asset." + (f" {policy}" if policy else ""),
         }[role]

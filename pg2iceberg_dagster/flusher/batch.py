@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from ..source import pgoutput
 from ..source.catalog import SourceTable
+from ..source.policy import ColumnMask
 from ..source.replication import XLOG_HEADER
 from ..staging.codec import DELETE, INSERT, TRUNCATE, UPDATE, StagedRelation, encode_columns, join_names
 from .json_text import PLAIN_TEXT_KINDS, json_string_bodies
@@ -36,8 +37,9 @@ from .json_text import PLAIN_TEXT_KINDS, json_string_bodies
 if TYPE_CHECKING:
     from .generated import GeneratedColumns
 
-# Adds the values of generated columns to the six staging columns of a table's rows (see .generated).
-CompleteRows = Callable[["GeneratedColumns", list[pa.Array]], list[pa.Array]]
+# Completes the six staging columns of a table's rows with values the stream does not send: generated
+# columns (see .generated), unchanged values of rows moved into a row filter (see .moved_in).
+CompleteRows = Callable[["RelationInfo", list[pa.Array]], list[pa.Array]]
 
 _XLOG_START = struct.Struct("!Q")
 # A TRUNCATE marker's payload: the tag and a relation OID (see truncate_marker).
@@ -58,6 +60,11 @@ class RelationInfo:
     key: tuple[str, ...] = ()
     # Generated columns the stream does not send, which the flusher computes (None: nothing to compute).
     generated: GeneratedColumns | None = None
+    # Positions of the columns staged (None: all): a table with a column selection stages only the
+    # columns it mirrors, whatever the stream sends (a publication without column lists, before PG15).
+    staged_positions: tuple[int, ...] | None = None
+    # Masked columns by position: their values are masked before anything is staged.
+    masks: dict[int, ColumnMask] = field(default_factory=dict)
     # Per column, precomputed once: the JSON key ('"name"') and the CSV form for ``_unchanged_cols``.
     json_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
     csv_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
@@ -74,10 +81,20 @@ class RelationInfo:
 
     @property
     def staged_relation(self) -> StagedRelation:
-        """The relation staged files record: the columns the stream sends, then the computed ones."""
+        """The relation staged files record: the columns staged of those the stream sends, then the
+        computed ones."""
+        relation = self.relation
+        if self.staged_positions is not None:
+            relation = dataclasses.replace(relation, columns=tuple(relation.columns[i] for i in self.staged_positions))
         if self.generated is None:
-            return self.relation
-        return dataclasses.replace(self.relation, columns=self.relation.columns + self.generated.staged)
+            return relation
+        return dataclasses.replace(relation, columns=relation.columns + self.generated.staged)
+
+    def staged_indices(self) -> list[int]:
+        """The positions of the row's columns that are staged."""
+        if self.staged_positions is None:
+            return list(range(len(self.relation.columns)))
+        return list(self.staged_positions)
 
 
 @dataclass(frozen=True)
@@ -165,12 +182,13 @@ class MessageBatch:
 
     def encode(self, info: RelationInfo, rows: pa.Array, complete: CompleteRows | None = None) -> EncodedSegment:
         """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending); ``complete``
-        adds the values of generated columns the stream does not send (required for such a table)."""
+        adds the values the stream does not send (required for a table with generated columns or a row
+        filter, see :data:`CompleteRows`)."""
         columns = _Decoder(self, info, rows).columns()
-        if info.generated is not None:
+        if info.generated is not None or info.table.row_filter:
             if complete is None:
-                raise ValueError(f"{info.table.key}: generated columns to compute, and nothing to compute them")
-            columns = complete(info.generated, columns)
+                raise ValueError(f"{info.table.key}: values to complete, and nothing to complete them")
+            columns = complete(info, columns)
         lsns = pc.take(self.lsn, rows)
         data = encode_columns(info.staged_relation, *columns)
         return EncodedSegment(
@@ -254,6 +272,11 @@ class _Decoder:
         values = []
         for index, kind, start, end in columns:
             text = self.texts(start, end)
+            mask = self.info.masks.get(index)
+            if mask is not None:  # before anything is staged: the raw value goes no further
+                text = mask.texts(text)
+                if mask.policy == "null":
+                    kind = pc.if_else(pc.equal(kind, _TEXT), _NULL, kind).cast(kind.type)
             if index not in self.info.plain_columns:
                 text = json_string_bodies(text)
             values.append((index, kind, text, pc.any(pc.not_equal(kind, _TEXT)).as_py()))
@@ -320,7 +343,7 @@ class _Decoder:
                     leftover = pc.or_(leftover, mask)
                     continue
                 if kind_of_group == "new":
-                    selected = list(range(len(walked)))
+                    selected = self.info.staged_indices()
                     op = pc.if_else(pc.equal(pc.take(tag, rows), _INSERT), INSERT, UPDATE)
                 else:
                     # A deleted row is staged by its key (REPLICA IDENTITY DEFAULT sends nothing else).
@@ -365,6 +388,12 @@ class _Decoder:
         return [pa.array(column, kind) for column, kind in zip(zip(*staged, strict=True), types, strict=True)]
 
 
+def _masked(info: RelationInfo, position: int, value: Any) -> Any:
+    """The value staged for the column at ``position``: masked when the column is."""
+    mask = info.masks.get(position)
+    return value if mask is None else mask.text(value)
+
+
 def row_changes(
     info: RelationInfo, message: pgoutput.Message
 ) -> list[tuple[int, str, dict[str, Any], tuple[str, ...]]]:
@@ -372,10 +401,12 @@ def row_changes(
     the row-by-row reference the bulk path must equal."""
     names = [column.name for column in info.relation.columns]
     key = info.key
+    staged = set(info.staged_indices())
 
     def row(values: pgoutput.Tuple) -> tuple[dict[str, Any], tuple[str, ...]]:
-        data = {n: v for n, v in zip(names, values, strict=True) if v is not pgoutput.UNCHANGED}
-        unchanged = tuple(n for n, v in zip(names, values, strict=True) if v is pgoutput.UNCHANGED)
+        pairs = [(i, n, v) for i, (n, v) in enumerate(zip(names, values, strict=True)) if i in staged]
+        data = {n: _masked(info, i, v) for i, n, v in pairs if v is not pgoutput.UNCHANGED}
+        unchanged = tuple(n for _, n, v in pairs if v is pgoutput.UNCHANGED)
         return data, unchanged
 
     def key_of(values: pgoutput.Tuple) -> dict[str, Any]:

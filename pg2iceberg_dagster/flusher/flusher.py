@@ -15,13 +15,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.records import StagedFile
 from ..errors import StartupCheckError
 from ..faults import crash_point
 from ..source import pgoutput
-from ..source.catalog import SourceTable, TypeResolver, file_node, identify_columns, source_column, table_attributes
+from ..source.catalog import (
+    SourceTable,
+    TypeResolver,
+    column_policy,
+    file_node,
+    identify_columns,
+    masked_column,
+    source_column,
+    table_attributes,
+)
 from ..source.connection import connect
 from ..source.lsn import current_wal_lsn
 from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
@@ -30,6 +41,7 @@ from ..staging.store import ObjectStore
 from ..tables import MirroredTables
 from .batch import RelationInfo, truncate_marker
 from .generated import GeneratedValues, describe_generated
+from .moved_in import MovedInValues
 from .window import RelationLog, StagedWriter
 
 log = logging.getLogger(__name__)
@@ -107,6 +119,7 @@ class Flusher:
         self._catalog_conn = connect(config.source)
         self._resolver = TypeResolver(self._catalog_conn)
         self._generated = GeneratedValues(self._catalog_conn)
+        self._moved_in = MovedInValues(self._catalog_conn)
 
     def close(self) -> None:
         self._catalog_conn.close()
@@ -137,9 +150,7 @@ class Flusher:
         deadline = time.monotonic() + max_seconds if max_seconds is not None else None
         stats = FlushStats(flushed_lsn=start_lsn)
         relations = RelationLog()
-        writer = StagedWriter(
-            self.object_store, self.config.flush, relations, self._locations, self._generated.complete
-        )
+        writer = StagedWriter(self.object_store, self.config.flush, relations, self._locations, self._complete_rows)
         last_flush = time.monotonic()
         with ReplicationStream(
             self.config.source,
@@ -310,6 +321,14 @@ class Flusher:
         """Catching up, and the WAL position at the start is flushed."""
         return run.target is not None and run.stats.flushed_lsn >= run.target
 
+    def _complete_rows(self, info: RelationInfo, columns: list[pa.Array]) -> list[pa.Array]:
+        """Values the stream did not send: of rows moved into a row filter, then of generated columns."""
+        if info.table.row_filter:
+            columns = self._moved_in.fill(info, columns)
+        if info.generated is not None:
+            columns = self._generated.complete(info.generated, columns)
+        return columns
+
     def _relation_info(self, relation: pgoutput.Relation) -> RelationInfo | None:
         # By oid first: a table renamed at the source (ALTER TABLE ... RENAME TO) sends its changes
         # under its new name, and they are still its changes. By name, a table dropped and created
@@ -342,6 +361,8 @@ class Flusher:
             )
             for column, identity in zip(relation.columns, identities, strict=True)
         )
+        staged_positions, masks = column_policy(table, [c.name for c in relation.columns], identities)
+        columns = tuple(masked_column(column, masks[i]) if i in masks else column for i, column in enumerate(columns))
         # Generated columns the message lacks are computed for each row image (see .generated).
         wire_names = [column.name for column in relation.columns]
         generated = describe_generated(
@@ -357,4 +378,6 @@ class Flusher:
             positions={name: index for index, name in enumerate(wire_names)},
             key=key,
             generated=generated,
+            staged_positions=staged_positions,
+            masks=masks,
         )

@@ -337,7 +337,7 @@ class Materializer:
             signature = row[0] if row else None
             if signature is None or self._seen.columns.get(table_key) == signature:
                 return None
-            source = describe_table(conn, mirrored.config, TypeResolver(conn))
+            source = describe_table(conn, mirrored.config, TypeResolver(conn), self.config.replication.publication)
             described = _Described(source.columns, file_node(conn, source.oid), signature)
         iceberg = self.catalog.load_table(self.tables[table_key].iceberg)
         if not schema_follows_source(iceberg, source.columns):

@@ -80,13 +80,17 @@ def plan_table_chunks(conn: psycopg.Connection, source: SourceTable, chunk_pages
 def chunk_query(source: SourceTable, chunk: Chunk, rule: OutOfRange) -> sql.Composed:
     """The chunk's ``SELECT`` (from its leaf partition, for a partitioned table), a CTID range that
     runs as a TID Range Scan on PG 14+."""
-    conditions = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({chunk.start_page},0)"))]
+    conditions: list[sql.Composable] = []
+    if chunk.start_page or chunk.end_page is not None:
+        conditions.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({chunk.start_page},0)")))
     if chunk.end_page is not None:
         conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({chunk.end_page},0)")))
-    where = sql.SQL(" AND ").join(conditions) if chunk.start_page or chunk.end_page is not None else sql.SQL("true")
+    if source.row_filter:
+        conditions.append(source.row_filter_sql())  # the publication's row filter: the same rows
+    where = sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true")
     # ONLY: the table's own rows, not those of tables that INHERIT from it (see SourceTable.rows_sql).
     relation = sql.SQL("ONLY {}").format(sql.Identifier(*chunk.leaf)) if chunk.leaf else source.rows_sql()
-    return sql.SQL("SELECT {} FROM {} WHERE {}").format(select_expressions(source.columns, rule), relation, where)
+    return sql.SQL("SELECT {} FROM {} WHERE {}").format(select_expressions(source, rule), relation, where)
 
 
 def read_chunk(

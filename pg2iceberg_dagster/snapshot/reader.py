@@ -37,6 +37,7 @@ from ..iceberg.types import is_list, is_ruled
 from ..iceberg.values import TIME_KINDS, conform_flattened, conform_sql, conform_texts
 from ..source.catalog import PgType, SourceColumn, SourceTable
 from ..source.connection import SESSION_OPTIONS
+from ..source.policy import ColumnMask
 
 # Kinds the driver decodes natively; everything else is selected as text.
 _BINARY_KINDS = {
@@ -115,12 +116,25 @@ def _select_expression(name: sql.Identifier, pg_type: PgType, rule: OutOfRange) 
     return conform_sql(pg_type.kind, value, rule) if pg_type.kind in TIME_KINDS else value
 
 
-def select_expressions(columns: tuple[SourceColumn, ...], rule: OutOfRange) -> sql.Composed:
-    """The chunk query's select list: each column in a form decoded exactly, plus array dimensions."""
+def masked_expression(name: sql.Identifier, mask: ColumnMask) -> sql.Composable:
+    """How a masked column is selected: ``null`` and ``redact`` masked by the server (the value never
+    leaves it), ``hash`` as the text the client hashes (the same text the WAL carries)."""
+    if mask.policy == "null":
+        return sql.SQL("NULL::pg_catalog.text")
+    if mask.policy == "redact":
+        return sql.SQL("CASE WHEN {} IS NULL THEN NULL ELSE {} END").format(name, sql.Literal(mask.text("")))
+    return _output_text(name)
+
+
+def select_expressions(source: SourceTable, rule: OutOfRange) -> sql.Composed:
+    """The chunk query's select list: each mirrored column in a form decoded exactly (masked ones as
+    :func:`masked_expression` says), plus array dimensions."""
     expressions: list[sql.Composable] = []
-    for position, column in enumerate(columns):
+    for position, column in enumerate(source.columns):
         name = sql.Identifier(column.name)
-        expressions.append(sql.SQL("{} AS {}").format(_select_expression(name, column.type, rule), name))
+        mask = source.mask_of(column.name)
+        selected = masked_expression(name, mask) if mask else _select_expression(name, column.type, rule)
+        expressions.append(sql.SQL("{} AS {}").format(selected, name))
         if is_list(column.type):
             expressions.append(
                 sql.SQL("pg_catalog.array_ndims({}) AS {}").format(name, sql.Identifier(f"{_NDIMS_PREFIX}{position}"))
@@ -168,6 +182,11 @@ def conform(decoded: pa.Table, source: SourceTable, schema: pa.Schema, rule: Out
     for field in schema:
         if field.name in by_name:
             position, column = by_name[field.name]
+            mask = source.mask_of(column.name)
+            if mask is not None and mask.policy == "hash":
+                masked = pa.chunked_array([mask.texts(decoded.column(column.name))])
+                arrays.append(_conform(masked, field.type, field.name))
+                continue
             arrays.append(_conform(_ruled(decoded, position, column, rule), field.type, field.name))
         else:
             arrays.append(pa.nulls(decoded.num_rows, field.type))

@@ -15,6 +15,7 @@ from ..errors import Pg2IcebergError, StartupCheckError
 from ..iceberg.terms import quote_column
 from .connection import connect
 from .partitions import leaf_files, leaves, row_holders
+from .policy import ColumnMask, published_policies, selected_columns, table_masks
 from .xid_snapshot import imported_snapshot
 
 TEXT_OID = 25
@@ -105,6 +106,20 @@ class SourceTable:
     primary_key: tuple[str, ...]
     replica_identity: str
     partitioned: bool = False  # a partitioned parent: its rows are in its leaf partitions
+    # Per table policy (source/policy.py): masked columns (their type is text), the source columns not
+    # mirrored, and the row filter (SQL written by the user; the publication's too).
+    masks: tuple[tuple[str, ColumnMask], ...] = ()
+    excluded: tuple[str, ...] = ()
+    row_filter: str | None = None
+    column_selection: bool = False  # ``columns`` applies: only these columns are mirrored, never one added later
+
+    def mask_of(self, name: str) -> ColumnMask | None:
+        """The mask of the column ``name``, None when it is not masked."""
+        return dict(self.masks).get(name)
+
+    def row_filter_sql(self) -> sql.Composable:
+        """The row filter as a condition (``true`` without one); the user's SQL, as the publication has it."""
+        return sql.SQL("({})").format(sql.SQL(self.row_filter)) if self.row_filter else sql.SQL("true")
 
     def column(self, name: str) -> SourceColumn:
         for column in self.columns:
@@ -428,8 +443,10 @@ def _refuse_unreadable(conn: psycopg.Connection, table: TableConfig, oid: int) -
         )
 
 
-def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver) -> SourceTable:
-    """Columns, key and identity of a configured table; refuses missing tables and tables without a key."""
+def describe_table(
+    conn: psycopg.Connection, table: TableConfig, resolver: TypeResolver, publication: str | None = None
+) -> SourceTable:
+    """Columns (those mirrored: _with_policy), key and identity of a table; refuses missing or keyless ones."""
     row = conn.execute(
         """
         SELECT c.oid, c.relkind, c.relreplident, c.relpersistence FROM pg_class c
@@ -495,7 +512,7 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
         raise StartupCheckError(f"{table.key} has REPLICA IDENTITY NOTHING; updates and deletes cannot be replicated")
     if replident == "i":
         _refuse_identity_without_key(conn, table, oid, key, attributes)
-    return SourceTable(
+    described = SourceTable(
         key=table.key,
         schema_name=table.schema_name,
         table_name=table.table_name,
@@ -505,6 +522,54 @@ def describe_table(conn: psycopg.Connection, table: TableConfig, resolver: TypeR
         replica_identity=replident,
         partitioned=relkind == "p",
     )
+    return _with_policy(conn, table, described, attributes, publication)
+
+
+def _with_policy(
+    conn: psycopg.Connection,
+    table: TableConfig,
+    described: SourceTable,
+    attributes: Sequence[Attribute],
+    publication: str | None,
+) -> SourceTable:
+    """The table as it is mirrored: the columns ``columns`` selects (under an exclude list, of those the
+    ``publication`` sends), masked ones as text, and its row filter (see source/policy.py)."""
+    columns, key, replident = described.columns, described.primary_key, described.replica_identity
+    identity_index = _index_columns(conn, described.oid, attributes, "indisreplident") if replident == "i" else {}
+    identity = [name for index in identity_index.values() for name in index if name]
+    published = None
+    if publication and table.columns and table.columns.exclude is not None and conn.info.server_version >= 150000:
+        listed = published_policies(conn, publication).get(table.key)
+        published = listed.columns if listed else None
+    kept, excluded = selected_columns(table, [column.name for column in columns], key, identity, replident, published)
+    if (excluded or table.mask) and any(column.generated for column in columns):
+        raise StartupCheckError(
+            f"{table.key}: has GENERATED columns, which the flusher computes from the staged row, and columns or "
+            "mask would leave it without their inputs or give it masked ones: mirror the table whole and unmasked"
+        )
+    masks = table_masks(table)
+    by_name = dict(masks)
+    return replace(
+        described,
+        columns=tuple(
+            masked_column(column, by_name[column.name]) if column.name in by_name else column
+            for column in columns
+            if column.name in kept
+        ),
+        masks=masks,
+        excluded=tuple(excluded),
+        row_filter=table.where,
+        column_selection=table.columns is not None,
+    )
+
+
+MASKED_TYPE = PgType(name="text", kind="text", type_mod=-1, base_oid=TEXT_OID, array_oid=TEXT_ARRAY_OID)
+
+
+def masked_column(column: SourceColumn, mask: ColumnMask) -> SourceColumn:
+    """A masked column as it is mirrored: text (a hash, a fixed string or NULL), nullable; the value rows
+    older than the column read is masked too."""
+    return replace(column, type=MASKED_TYPE, not_null=False, missing=mask.text(column.missing))
 
 
 def file_node(conn: psycopg.Connection, oid: int) -> int | None:
@@ -589,3 +654,22 @@ def publication_tables(conn: psycopg.Connection, publication: str) -> set[str]:
 def table_list(tables: Iterable[TableConfig | SourceTable]) -> sql.Composed:
     """``tables`` as a comma-separated list of quoted qualified names (for a publication's DDL)."""
     return sql.SQL(", ").join(sql.Identifier(table.schema_name, table.table_name) for table in tables)
+
+
+def column_policy(
+    table: SourceTable, wire_names: Sequence[str], identities: Sequence[Attribute | None]
+) -> tuple[tuple[int, ...] | None, dict[int, ColumnMask]]:
+    """For the columns of a Relation message (``wire_names``, identified as ``identities``): the
+    positions staged (None: all) and each masked one's mask. Matched by attnum, so a column renamed
+    since startup keeps its mask; under a column selection a column the table did not mirror at
+    startup (excluded, or added since) is not staged."""
+    names = {column.attnum: column.name for column in table.columns if column.attnum is not None}
+    mirrored = [names.get(a.attnum) if a is not None else None for a in identities]
+    masks = {}
+    for position, (name, wire_name) in enumerate(zip(mirrored, wire_names, strict=True)):
+        mask = table.mask_of(name or wire_name)
+        if mask is not None:
+            masks[position] = mask
+    if not table.column_selection:
+        return None, masks
+    return tuple(position for position, name in enumerate(mirrored) if name is not None), masks
