@@ -50,6 +50,8 @@ def cmd_validate(pipeline: Pipeline, args: argparse.Namespace) -> int:
     print(f"ok: PostgreSQL {report.server_version}, system_identifier {report.system_identifier}")
     print(f"    CTID chunking: {'on' if report.ctid_chunking else 'off (PostgreSQL < 14: one chunk per table)'}")
     print(f"    slot {pipeline.config.replication.slot}: {'exists' if report.slot else 'not created yet'}")
+    for warning in report.warnings:
+        print(f"    warning: {warning}")
     for key, table in report.tables.items():
         print(f"    {key}: {len(table.columns)} columns, primary key ({', '.join(table.primary_key)})")
         for line in describe_policy(table, report.server_version):

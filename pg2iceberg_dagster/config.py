@@ -50,10 +50,17 @@ def secret_from_env(variable: str | None, what: str) -> str | None:
 
 
 class PostgresConnection(_Strict):
-    """How to reach one PostgreSQL database. The password comes from ``password_env``."""
+    """How to reach one PostgreSQL database. The password comes from ``password_env``.
+
+    ``host`` may list several servers (``a,b``), with one ``port`` for all or one per host (``5432,5433``):
+    libpq tries them in order, and ``target_session_attrs: read-write`` makes it pass over a standby, so
+    after a failover every connection finds the promoted primary."""
 
     host: str = "127.0.0.1"
-    port: int = Field(5432, ge=1, le=65535)
+    port: int | str = 5432
+    target_session_attrs: Literal["any", "read-write", "read-only", "primary", "standby", "prefer-standby"] | None = (
+        None
+    )
     dbname: str
     user: str = "postgres"
     password_env: str | None = None
@@ -62,6 +69,28 @@ class PostgresConnection(_Strict):
     sslmode: str | None = None
     connect_timeout: int = Field(10, ge=1)
     application_name: str = "pg2iceberg-dagster"
+
+    @field_validator("port")
+    @classmethod
+    def _port_numbers(cls, value: int | str) -> int | str:
+        ports = str(value).split(",")
+        if not all(port.strip().isdigit() and 1 <= int(port) <= 65535 for port in ports):
+            # The value is not echoed: a secret pasted into the wrong field must not reach a log.
+            raise ValueError("expected a port number (1-65535) or a comma-separated list of them (5432,5433)")
+        return int(value) if len(ports) == 1 else ",".join(port.strip() for port in ports)
+
+    @model_validator(mode="after")
+    def _ports_match_hosts(self) -> PostgresConnection:
+        ports, hosts = str(self.port).split(","), self.host.split(",")
+        if len(ports) > 1 and len(ports) != len(hosts):
+            raise ValueError(f"port lists {len(ports)} ports for {len(hosts)} hosts: give one port, or one per host")
+        return self
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """(host, port) of each server ``host`` lists, in order."""
+        hosts = [host.strip() for host in self.host.split(",")]
+        ports = [int(port) for port in str(self.port).split(",")]
+        return list(zip(hosts, ports * len(hosts) if len(ports) == 1 else ports, strict=True))
 
     def resolved_password(self) -> str | None:
         """The password: set programmatically, or read now from ``password_env``."""
@@ -84,12 +113,15 @@ class PostgresConnection(_Strict):
             params["password"] = password
         if self.sslmode:
             params["sslmode"] = self.sslmode
+        if self.target_session_attrs:
+            params["target_session_attrs"] = self.target_session_attrs
         params.update(overrides)
         return make_conninfo(**params)
 
     def describe(self) -> str:
         """A secret-free description for logs and errors."""
-        return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
+        servers = ",".join(f"{host}:{port}" for host, port in self.endpoints())
+        return f"postgresql://{self.user}@{servers}/{self.dbname}"
 
 
 def _partition_expression(value: str) -> str:
@@ -233,6 +265,9 @@ class ReplicationConfig(_Strict):
     # slot and write into each Iceberg table only its differences from the source (see repair.py);
     # ``refuse`` stops them, naming ``pg2iceberg-dagster repair`` as the way back.
     on_slot_lost: Literal["repair", "refuse"] = "repair"
+    # Create the slot as a failover slot, which standbys with sync_replication_slots keep in step so a
+    # promoted standby continues it (docs/operations.md): auto on PostgreSQL 17+, true refuses older.
+    failover_slot: Literal["auto"] | bool = "auto"
     # The slot's health (validation.slot_safety; Dagster's ``slot_safe`` check) warns when it can retain
     # less than this fraction of max_slot_wal_keep_size more WAL before losing some...
     slot_warn_safe_wal_fraction: float = Field(0.2, ge=0, le=1)
