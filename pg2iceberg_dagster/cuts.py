@@ -7,6 +7,8 @@ How a cut is taken (docs/cuts.md gives the argument):
    moves ``flushed_lsn`` in one transaction, so L is a transaction boundary the flusher staged
    completely, and each table's log up to its head holds exactly the changes of the transactions
    committed at or before L. No table was merged past its head: merges only read what was registered.
+   L must be past the snapshot each table was last copied under (its epoch's ``lsn_bound``), or the
+   copy may show later transactions: the cut waits for the flusher to get there.
 3. Merge each table up to its head and no further; a table already at its head is complete up to L
    at its current snapshot (nothing staged after L was merged, since the leases came first).
 4. Tag each table's current snapshot with the cut's name, recording the cut (L, time, tables, group)
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -31,7 +34,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from .config import CutsConfig
-from .coordination.protocol import LEASE_WAIT_SECONDS, writer_lease_within
+from .coordination.protocol import LEASE_RETRY_SECONDS, LEASE_WAIT_SECONDS, writer_lease_within
 from .coordination.store import CoordinationStore
 from .errors import ConfigError, CutError
 from .iceberg.commit import commit_with_retry
@@ -43,6 +46,8 @@ CUT_PROPERTY_PREFIX = "pg2iceberg.cut."
 # A tag name Spark's VERSION AS OF reads as a ref, never as a snapshot id (all digits), and that
 # Trino, DuckDB and shells take without quoting trouble.
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
+# How long a cut waits for the flusher to stage past a table's latest copy (see _staged_past_snapshots).
+STAGED_WAIT_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -161,15 +166,36 @@ def take_cut(
             leases.enter_context(
                 writer_lease_within(store, materializer.group, key, materializer.worker_id, LEASE_WAIT_SECONDS)
             )
-        lsn, heads = store.staged_positions(keys)
-        if lsn is None:
-            raise CutError("cannot cut before the replication slot exists: run `snapshot` (or `run`) first")
+        lsn, heads = _staged_past_snapshots(store, keys)
         snapshots = {key: _merged_snapshot(materializer, catalog, key, heads[key], lsn) for key in keys}
         cut = Cut(name, lsn, now, tuple(keys), group, snapshots)
         for key in keys:
             _tag(catalog.load_table(tables[key].iceberg), cut, snapshots[key])
         expire_cuts(catalog, tables, keys, cuts, group, now)
     return cut
+
+
+def _staged_past_snapshots(store: CoordinationStore, keys: list[str]) -> tuple[int, dict[str, int]]:
+    """``flushed_lsn`` L and the tables' log heads (see StagedLogStore.staged_positions), once L is past
+    the position of every snapshot the tables' rows were read under: a table copied (resynced) under a
+    snapshot taken after L may show transactions committed after L, which no replay takes away. The
+    flusher does not wait for the leases the caller holds; this waits for it, up to a while."""
+    states = store.table_states()
+    epochs = {state.snapshot_epoch for key in keys if (state := states.get(key)) and state.snapshot_epoch is not None}
+    bound = max((store.snapshot_epoch(epoch).lsn_bound for epoch in epochs), default=0)
+    deadline = time.monotonic() + STAGED_WAIT_SECONDS
+    while True:
+        lsn, heads = store.staged_positions(keys)
+        if lsn is None:
+            raise CutError("cannot cut before the replication slot exists: run `snapshot` (or `run`) first")
+        if lsn >= bound:
+            return lsn, heads
+        if time.monotonic() >= deadline:
+            raise CutError(
+                f"cannot cut: the flusher has staged up to {format_lsn(lsn)}, not yet up to {format_lsn(bound)} where "
+                "a table of the cut was last copied; run `stream` (or `run`) and cut again once it caught up"
+            )
+        time.sleep(LEASE_RETRY_SECONDS)
 
 
 def _merged_snapshot(materializer: Materializer, catalog: Catalog, key: str, head: int, lsn: int) -> int:

@@ -3,8 +3,6 @@ all tables when there is no group), and a schedule that runs it every ``cuts.int
 Each cut reports an observation of every cut table's live Iceberg asset naming the cut (tag, source
 LSN, time, tables), so the asset's page shows the latest cut its table is in."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from dagster import (
