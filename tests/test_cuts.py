@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from pg2iceberg_dagster import cuts
 from pg2iceberg_dagster.cuts import CUT_PROPERTY_PREFIX
 from pg2iceberg_dagster.errors import CutError
 from pg2iceberg_dagster.iceberg.catalog import snapshot_summaries
@@ -25,7 +26,7 @@ from pg2iceberg_dagster.materializer.merge import SOURCE_LSN
 from pg2iceberg_dagster.materializer.spark_sql import spark_identifier, spark_string
 from pg2iceberg_dagster.source.lsn import parse_lsn
 
-from .conftest import SourceDb, _in_thread, assert_mirrored, pipeline_running
+from .conftest import Crash, SourceDb, _in_thread, assert_mirrored, pipeline_running
 
 TABLES = ["public.orders", "public.order_items", "public.txlog"]
 CUTS = 3
@@ -175,3 +176,43 @@ def test_the_cut_schedule_runs_the_cut_job_every_configured_interval() -> None:
     (schedule,) = defs.schedules
     assert schedule.name == "shop_cut_schedule" and schedule.cron_schedule == "0 */2 * * *"
     assert schedule.job_name == "shop_cut" and defs.get_job_def("shop_cut") is not None
+
+
+def test_a_cut_refuses_before_writing_and_an_unfinished_one_is_never_the_latest(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source.execute("CREATE TABLE orders (id int PRIMARY KEY, items int NOT NULL, total int NOT NULL)")
+    source.execute("INSERT INTO orders SELECT g, 1, g FROM generate_series(1, 20) g")
+    source.execute("CREATE TABLE txlog (seq int PRIMARY KEY)")
+    pipeline = source.pipeline(
+        source.config(["public.orders", "public.txlog"], cuts={"groups": {"g": ["public.orders"]}})
+    )
+    with pytest.raises(CutError, match=r"public\.orders \(snapshot not complete: `snapshot` or `run` takes it\)"):
+        pipeline.cut()
+    with pytest.raises(CutError, match=r"cut group 'nope' is not configured \(cuts.groups has: g\)"):
+        pipeline.cut(group="nope")
+    pipeline.snapshot()
+    first = pipeline.cut(name="first")  # nothing staged: each table tagged at its snapshot's commit
+    with pytest.raises(CutError, match=r"'first' is already a tag or branch of public\.orders, public\.txlog"):
+        pipeline.cut(name="first")
+
+    # A crash after the first table's tag leaves the cut unfinished: not the latest; the next cut drops it.
+    tag = cuts._tag
+    tagged: list[str] = []
+
+    def crash_after_one(table: Any, cut: Any, snapshot_id: int) -> None:
+        if tagged:
+            raise Crash
+        tagged.append(cut.name)
+        tag(table, cut, snapshot_id)
+
+    monkeypatch.setattr(cuts, "_tag", crash_after_one)
+    with pytest.raises(Crash):
+        pipeline.cut(name="broken")
+    monkeypatch.undo()
+    assert pipeline.latest_cut() == first
+    pipeline.cut(name="third")
+    orders = pipeline.catalog.load_table(pipeline.tables["public.orders"].iceberg)
+    assert sorted(orders.metadata.refs) == ["first", "main", "third"]
+    at_first = orders.scan(snapshot_id=orders.metadata.refs["first"].snapshot_id).to_arrow()
+    assert sorted(at_first.column("id").to_pylist()) == list(range(1, 21))
