@@ -24,7 +24,7 @@ from pg2iceberg_dagster.errors import CutError
 from pg2iceberg_dagster.iceberg.catalog import snapshot_summaries
 from pg2iceberg_dagster.materializer.merge import SOURCE_LSN
 from pg2iceberg_dagster.materializer.spark_sql import spark_identifier, spark_string
-from pg2iceberg_dagster.source.lsn import parse_lsn
+from pg2iceberg_dagster.source.lsn import format_lsn, parse_lsn
 
 from .conftest import Crash, SourceDb, _in_thread, assert_mirrored, pipeline_running
 
@@ -216,3 +216,18 @@ def test_a_cut_refuses_before_writing_and_an_unfinished_one_is_never_the_latest(
     assert sorted(orders.metadata.refs) == ["first", "main", "third"]
     at_first = orders.scan(snapshot_id=orders.metadata.refs["first"].snapshot_id).to_arrow()
     assert sorted(at_first.column("id").to_pylist()) == list(range(1, 21))
+
+    # The Dagster cut job takes a cut of each group and reports it on the group's live tables.
+    from dagster import instance_for_test
+
+    from pg2iceberg_dagster.dagster_integration import build_definitions
+
+    defs = build_definitions(pipeline.config.model_dump(mode="json", exclude_none=True), name="shop")
+    with instance_for_test() as instance:
+        result = defs.resolve_job_def("shop_cut").execute_in_process(instance=instance)
+    (observation,) = result.asset_observations_for_node("shop_take_cuts")
+    metadata = observation.metadata
+    assert observation.asset_key.path[-1] == "orders" and metadata["cut_group"].value == "g"
+    latest = pipeline.latest_cut()
+    assert latest is not None and latest.group == "g" and metadata["cut_name"].value == latest.name
+    assert metadata["cut_lsn"].value == format_lsn(latest.lsn) and latest.tables == ("public.orders",)
