@@ -12,6 +12,7 @@ from dagster import (
     MetadataValue,
     OpExecutionContext,
     ScheduleDefinition,
+    in_process_executor,
     job,
     op,
 )
@@ -19,7 +20,7 @@ from dagster import (
 from pg2iceberg_dagster.config import CutsConfig
 from pg2iceberg_dagster.pipeline import Cut
 
-from ..mirror import Mirror
+from ..mirror import MIRROR_RUN_TAG, Mirror
 
 
 def cut_metadata(cut: Cut) -> dict[str, Any]:
@@ -61,6 +62,8 @@ def cuts_job(mirror: Mirror) -> JobDefinition:
 
     @job(
         name=mirror.named("cut"),
+        executor_def=in_process_executor,  # one op: a second process would only import the code location again
+        tags={MIRROR_RUN_TAG: mirror.name},
         description="Take a consistent cut: every table (of each cuts.groups group) complete up to one "
         "source LSN, tagged with one name (read it with VERSION AS OF '<name>'). Merges wait meanwhile.",
     )
