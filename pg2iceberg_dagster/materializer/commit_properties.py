@@ -50,7 +50,7 @@ def _commit_properties_holder(spark: Any) -> Any | None:
 def snapshot_properties(spark: Any, properties: Mapping[str, str]) -> Iterator[None]:
     """Add ``properties`` to the summary of the Iceberg commits Spark SQL makes in this block on
     this thread."""
-    holder = _commit_properties_holder(spark)
+    holder = _commit_properties_holder(spark) if properties else None
     if holder is None:
         yield
         return
