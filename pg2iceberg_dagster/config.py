@@ -513,6 +513,42 @@ class DagsterConfig(_Strict):
     freshness_fail_seconds: float | None = Field(None, ge=60)
 
 
+class CutsConfig(_Strict):
+    """Consistent cuts (``cuts.py``, docs/cuts.md): every table of a group complete up to one source LSN
+    and tagged with one name. ``interval_minutes`` takes one on that schedule (Dagster's cut schedule;
+    unset: only ``cut`` on demand); the newest ``keep`` cuts stay, and of those only the ones younger
+    than ``max_age_hours`` (unset: no age limit). ``groups`` names sets of tables cut together
+    (``cut --group``); without one a cut takes every mirrored table."""
+
+    interval_minutes: float | None = Field(None, gt=0)
+    keep: int = Field(24, ge=1)
+    max_age_hours: float | None = Field(None, gt=0)
+    groups: dict[str, list[str]] = {}
+
+    @field_validator("interval_minutes")
+    @classmethod
+    def _cron_interval(cls, value: float | None) -> float | None:
+        # Dagster schedules are cron schedules: minutes dividing an hour, or whole hours dividing a day.
+        if value is None or (
+            value == int(value) and (60 % value == 0 if value < 60 else 1440 % value == 0 and value % 60 == 0)
+        ):
+            return value
+        raise ValueError(
+            f"{value:g} is neither a divisor of 60 nor a whole number of hours dividing 24: use e.g. 5, 15, 60 or 360"
+        )
+
+    @field_validator("groups")
+    @classmethod
+    def _group_tables(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for group, names in value.items():
+            if not names:
+                raise ValueError(f"group {group!r} lists no table")
+            for name in names:
+                if not _QUALIFIED_NAME.match(name):
+                    raise ValueError(f"group {group!r}: {name!r} is not schema.table")
+        return value
+
+
 class SchemaSelection(_Strict):
     """Every table of a schema whose name matches an ``include`` glob and no ``exclude`` glob
     (ordinary and partitioned tables, not partitions): ``{schema: app, exclude: ["tmp_*"]}`` in
@@ -546,6 +582,7 @@ class PipelineConfig(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     metrics: MetricsConfig = MetricsConfig()
     dagster: DagsterConfig = DagsterConfig()
+    cuts: CutsConfig = CutsConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -372,3 +372,17 @@ def test_failover_slot_setting() -> None:
     assert parse_config(MINIMAL).replication.failover_slot == "auto"
     assert parse_config(config_with(replication={"failover_slot": False})).replication.failover_slot is False
     assert "replication.failover_slot" in config_error(config_with(replication={"failover_slot": "sometimes"}))
+
+
+def test_cuts_config_defaults_and_bad_values_name_the_field() -> None:
+    config = parse_config(config_with(cuts={"interval_minutes": 15, "groups": {"sales": ["public.orders"]}}))
+    assert config.cuts.keep == 24 and config.cuts.max_age_hours is None
+    assert config.cuts.groups == {"sales": ["public.orders"]}
+    assert parse_config(config_with(cuts={"interval_minutes": 360})).cuts.interval_minutes == 360
+    message = config_error(config_with(cuts={"interval_minutes": 7}))
+    assert "cuts.interval_minutes" in message and "divisor of 60" in message
+    assert "cuts.interval_minutes" in config_error(config_with(cuts={"interval_minutes": 90}))
+    assert "cuts.keep" in config_error(config_with(cuts={"keep": 0}))
+    message = config_error(config_with(cuts={"groups": {"sales": ["orders"]}}))
+    assert "cuts.groups" in message and "'orders' is not schema.table" in message
+    assert "lists no table" in config_error(config_with(cuts={"groups": {"empty": []}}))
