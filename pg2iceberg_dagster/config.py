@@ -276,6 +276,9 @@ class ReplicationConfig(_Strict):
     # ...or when, at the rate its safe_wal_size shrinks now, it would lose WAL within this many minutes
     # (wal_budget.py; needs max_slot_wal_keep_size set). 0 turns this rule off.
     slot_warn_minutes_until_lost: float = Field(60.0, ge=0)
+    # ``run`` keeps trying to reach the source for this long after losing it once it was running (a
+    # failover's promotion, a restart), then exits with the error. 0: exit at once.
+    reconnect_seconds: float = Field(300.0, ge=0)
 
 
 class S3Config(_Strict):

@@ -25,6 +25,10 @@ class StartupCheckError(Pg2IcebergError):
     exit_code = 3
 
 
+class SourceUnreachableError(Pg2IcebergError):
+    """A connection to PostgreSQL could not be opened (the server is down, failing over, or refuses)."""
+
+
 class SlotLostError(StartupCheckError):
     """The pipeline's replication slot is gone or lost WAL it needs: changes since are lost to the
     mirror until a repair (``pg2iceberg-dagster repair``) compares every table with the source."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,11 +30,15 @@ from .errors import Pg2IcebergError
 from .metrics import serve_metrics
 from .pipeline import Pipeline
 from .run_loop import run
+from .source.connection import is_connection_loss
 from .source.selection import resolve_tables
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 2.0
+# Pauses between attempts to reach a lost source (doubling from the first to the last).
+MIN_RECONNECT_DELAY = 1.0
+MAX_RECONNECT_DELAY = 15.0
 
 
 class ConfigWatch:
@@ -97,19 +102,71 @@ def run_following_config(
     loaded = load_config(path)
     config = resolve_tables(loaded)
     with serve_metrics(config, metrics_port) as metrics:
-        while True:
+        reconnect = Reconnect(config.replication.reconnect_seconds, stop)
+        while not stop.is_set():
             metrics.follow(config)
             watch = ConfigWatch(path, loaded, config, stop)
-            with Pipeline(config, detached_holder=True, metrics=metrics) as pipeline:
-                run(pipeline, watch.changed, on_progress=on_progress)
-                if stop.is_set() or watch.new_config is None:
-                    return
-                new = watch.new_config
-                removed = [t for t in config.tables if t.key not in {n.key for n in new.tables}]
-                added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
-                log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
-                if removed:
-                    leaving = [pipeline.tables[table.key] for table in removed]
-                    drop = new.iceberg.drop_removed_tables
-                    remove_tables(config, pipeline.store, pipeline.objects, pipeline.catalog, leaving, drop)
-            loaded, config = watch.loaded, new
+            try:
+                with Pipeline(config, detached_holder=True, metrics=metrics) as pipeline:
+                    run(pipeline, watch.changed, on_progress=on_progress, on_started=reconnect.started)
+                    if stop.is_set() or watch.new_config is None:
+                        return
+                    _follow_removed_tables(pipeline, config, watch.new_config)
+            except Exception as exc:
+                watch.changed.set()  # ends its thread: the next round watches anew
+                if not reconnect.wait_to_retry(exc):
+                    raise
+                if watch.new_config is not None:  # seen before the loss: the next round starts with it
+                    loaded, config = watch.loaded, watch.new_config
+                continue
+            loaded, config = watch.loaded, watch.new_config
+
+
+def _follow_removed_tables(pipeline: Pipeline, config: PipelineConfig, new: PipelineConfig) -> None:
+    """Stop mirroring the tables ``new`` no longer names (see the module docstring)."""
+    removed = [t for t in config.tables if t.key not in {n.key for n in new.tables}]
+    added = [t.key for t in new.tables if t.key not in {c.key for c in config.tables}]
+    log.warning("config changed: added %s, removed %s", added, [t.key for t in removed])
+    if removed:
+        leaving = [pipeline.tables[table.key] for table in removed]
+        drop = new.iceberg.drop_removed_tables
+        remove_tables(config, pipeline.store, pipeline.objects, pipeline.catalog, leaving, drop)
+
+
+class Reconnect:
+    """``run`` going on through a lost source: once it has started, a lost or refused connection (a
+    failover's promotion, a restart of the server) starts it again after a pause growing to
+    :data:`MAX_RECONNECT_DELAY`, for ``seconds`` from the loss; any other error, or a source still
+    unreachable then, ends it. Restarting is safe anywhere: every step is crash-safe (see
+    docs/correctness.md), and the startup checks run again on the server it reaches."""
+
+    def __init__(self, seconds: float, stop: threading.Event) -> None:
+        self.seconds = seconds
+        self.stop = stop
+        self.running = False
+        self.lost_at: float | None = None
+        self.delay = MIN_RECONNECT_DELAY
+
+    def started(self) -> None:
+        """``run`` passed its startup checks and streams."""
+        if self.lost_at is not None:
+            log.warning("reached the source again after %.1f s", time.monotonic() - self.lost_at)
+        self.running, self.lost_at, self.delay = True, None, MIN_RECONNECT_DELAY
+
+    def wait_to_retry(self, error: Exception) -> bool:
+        """Whether to start again after ``error`` (having waited), or to let it end ``run``. A stop
+        asked for meanwhile is a retry: the loop then ends without an error."""
+        if not self.running or self.seconds <= 0 or not is_connection_loss(error):
+            return False
+        now = time.monotonic()
+        self.lost_at = self.lost_at if self.lost_at is not None else now
+        left = self.lost_at + self.seconds - now
+        if left <= 0:
+            log.error("the source is still unreachable after %.0f s (replication.reconnect_seconds)", self.seconds)
+            return False
+        pause = min(self.delay, left)
+        reason = " ".join(str(error).split())  # libpq's message spans lines
+        log.warning("lost the source: %s; trying again in %.0f s (for %.0f s more)", reason, pause, left)
+        self.stop.wait(pause)
+        self.delay = min(self.delay * 2, MAX_RECONNECT_DELAY)
+        return True

@@ -30,9 +30,11 @@ def run(
     stop: threading.Event,
     interval: float | None = None,
     on_progress: Callable[[str], None] | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> None:
     """Everything in one process: snapshot, then stream in a thread while merging; ``on_progress``
-    is given a line on what was merged and what lags every :data:`PROGRESS_SECONDS`.
+    is given a line on what was merged and what lags every :data:`PROGRESS_SECONDS`; ``on_started`` is
+    called once the startup checks passed and the flusher started.
 
     A merge starts as soon as the flusher has staged something (and at least every ``interval``
     seconds, default ``materialize.interval_seconds``), and while no merge runs the flusher stages
@@ -65,6 +67,8 @@ def run(
 
     thread = threading.Thread(target=stream, name="flusher", daemon=True)
     thread.start()
+    if on_started is not None:
+        on_started()
     materializer = pipeline.materializer()
     upkeep = _Upkeep(pipeline.maintainer(), pipeline.metrics) if pipeline.config.maintenance.enabled else None
     copies = _CopyWorker(pipeline.config)

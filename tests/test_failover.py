@@ -13,11 +13,12 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
+import yaml
 
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
@@ -33,7 +34,7 @@ from soak.failover import (
     wait_until_synced,
 )
 
-from .conftest import SourceDb, assert_mirrored, config_on, sync, written_anything
+from .conftest import SourceDb, assert_mirrored, config_on, running, sync, written_anything
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -111,6 +112,14 @@ def _replication(source: SourceDb, **changes: object) -> dict[str, object]:
     return {**source.config(["public.items"]).replication.model_dump(), **changes}
 
 
+def _changes_committed(cluster: EmbeddedPostgres) -> dict[str, int]:
+    """Per table, the changes the writer committed on ``cluster`` since the snapshot (as _staged_rows)."""
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        events = conn.execute("SELECT count(*) FROM public.events").fetchone()[0]  # type: ignore[index]
+        updates = conn.execute("SELECT sum(version - 1) FROM public.items").fetchone()[0]  # type: ignore[index]
+    return {"public.events": events, "public.items": updates}
+
+
 def _staged_rows(pipeline: Pipeline) -> dict[str, int]:
     """Changes ever staged per table (offsets in the staged log count changes)."""
     rows = pipeline.store.conn.execute("SELECT table_name, next_offset FROM _pg2iceberg.log_seq").fetchall()
@@ -165,12 +174,10 @@ def test_failover_continues_on_the_promoted_standby(
     assert resumed.store.flushed_lsn() == staged_at_crash  # the coordination commits survived
     sync(resumed)
     assert_mirrored(resumed)
-    with psycopg.connect(standby.conninfo(), autocommit=True) as conn:
-        events = conn.execute("SELECT count(*) FROM public.events").fetchone()[0]  # type: ignore[index]
-        updates = conn.execute("SELECT sum(version - 1) FROM public.items").fetchone()[0]  # type: ignore[index]
+    committed = _changes_committed(standby)
     # Every change the new primary holds was staged exactly once: none of the re-sent range again.
-    assert _staged_rows(resumed) == {"public.events": events, "public.items": updates}
-    print(f"failover: {events} events and {updates} updates, each staged once; Iceberg equals the new primary")
+    assert _staged_rows(resumed) == committed
+    print(f"failover: {committed} changes, each staged once; Iceberg equals the new primary")
 
 
 def test_failover_slot_true_is_refused_below_17(source: SourceDb) -> None:
@@ -206,3 +213,50 @@ def test_slot_ahead_of_the_staged_log_is_repaired(source: SourceDb) -> None:
     assert (table.pg_rows, table.upserted, table.deleted) == (ITEMS - 1, 7, 8)
     sync(resumed)
     assert_mirrored(resumed)
+
+
+def test_run_goes_on_after_losing_its_source(
+    source: SourceDb, make_cluster: Callable[..., EmbeddedPostgres], tmp_path: Path
+) -> None:
+    """``run``, streaming, loses its source (the server crashes and comes back, as it does in a
+    failover or a restart): it keeps trying (replication.reconnect_seconds), reaches the server again
+    and goes on by itself, with nothing lost and nothing staged twice."""
+    # Commits durable as in production (the test clusters' default is off): the crash loses none.
+    cluster = make_cluster(conf=["synchronous_commit = on"])
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        for statement in SCHEMA:
+            conn.execute(statement)
+    config = config_on(source, cluster, TABLES)
+    path = tmp_path / "pg2iceberg.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    with source.pipeline(config) as first:
+        first.snapshot()  # before the writes: every one of them is then a change to stage
+    watcher = source.pipeline(config)
+
+    def staged_everything() -> bool:
+        return _staged_rows(watcher) == _changes_committed(cluster)
+
+    with running(path), Writer(cluster.conninfo()) as writer:
+        _wait_for(lambda: writer.committed >= 100 and bool(_staged_rows(watcher).get("public.events")))
+        watcher.close()
+        cluster.stop(immediate=True)  # a crash: run's connections break, new ones are refused
+        time.sleep(3)
+        cluster.start()
+        committed = writer.committed
+        _wait_for(lambda: writer.committed >= committed + 100)  # the writer reached it again
+        writer.stop.set()
+        watcher = source.pipeline(config)
+        _wait_for(staged_everything)  # the same run streams again: no new process was started
+
+    resumed = source.pipeline(config)
+    sync(resumed)
+    assert_mirrored(resumed)
+    assert _staged_rows(resumed) == _changes_committed(cluster)
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 180) -> None:
+    """Wait until ``condition()`` holds; fail after ``seconds`` (a liveness bound, not a timing claim)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{condition.__name__} did not come true within {seconds:.0f} s"
+        time.sleep(0.5)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import psycopg
 
 from ..config import PostgresConnection
-from ..errors import Pg2IcebergError
+from ..errors import SourceUnreachableError
 
 # Text forms must not depend on server or role defaults: the snapshot (COPY text) and the WAL
 # (pgoutput text) are parsed alike, timestamps with an explicit UTC offset, floats exactly. Text
@@ -31,9 +31,32 @@ def connect(target: PostgresConnection, *, autocommit: bool = True, replication:
         # Every line: libpq puts the cause ("Connection refused", "password authentication failed")
         # before its hint line. libpq never echoes the password.
         reason = " ".join(line.strip() for line in str(exc).strip().splitlines()) or type(exc).__name__
-        raise Pg2IcebergError(
+        raise SourceUnreachableError(
             f"cannot connect to {target.describe()}{' (replication)' if replication else ''}: {reason}"
         ) from None
+
+
+# SQLSTATEs of a connection the server ended or cannot serve yet: class 08 (connection exception),
+# admin_shutdown, crash_shutdown and cannot_connect_now (a server starting up or in recovery).
+_CONNECTION_LOST_STATES = ("57P01", "57P02", "57P03")
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a lost or refused connection to PostgreSQL,
+    rather than an error of the work itself: what a restart or a failover of the server looks like."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, SourceUnreachableError):
+            return True
+        if isinstance(current, psycopg.OperationalError):
+            state = current.sqlstate
+            # No SQLSTATE: libpq's own "server closed the connection unexpectedly", "consuming input failed".
+            if state is None or state.startswith("08") or state in _CONNECTION_LOST_STATES:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class KeptConnection:
