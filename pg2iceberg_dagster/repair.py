@@ -48,7 +48,7 @@ from .coordination.records import REPAIR_PREFIX, SLOT_LOST_REASON, AdvertisedSna
 from .coordination.store import CoordinationStore
 from .errors import Pg2IcebergError, SlotBusyError
 from .faults import crash_point
-from .iceberg.catalog import snapshot_summaries
+from .iceberg.catalog import epoch_committed
 from .iceberg.evolution import evolve_schema, pending_fills, without_pending_fills
 from .iceberg.types import arrow_schema
 from .snapshot.holder import SnapshotHolder
@@ -183,11 +183,6 @@ def _drop_slot(config: PipelineConfig) -> None:
             ) from None
 
 
-def _repaired_in(table: Table, epoch: int) -> bool:
-    """The repair commit of a comparison made in ``epoch`` landed."""
-    return any(summary.get(REPAIR_EPOCH) == str(epoch) for summary in snapshot_summaries(table))
-
-
 def repair_table(
     config: PipelineConfig,
     tables: MirroredTables,
@@ -220,7 +215,7 @@ def _repair_table(
     if state.resync_reason is None:
         return TableRepairResult(key, epoch=state.snapshot_epoch, resumed=True)  # another process finished it
     table = catalog.load_table(identifier)
-    if state.resync_epoch is not None and _repaired_in(table, state.resync_epoch):
+    if state.resync_epoch is not None and epoch_committed(table, REPAIR_EPOCH, state.resync_epoch):
         store.finish_resync(key, state.resync_epoch)  # written just before a crash
         return TableRepairResult(key, epoch=state.resync_epoch, seconds=time.monotonic() - started, resumed=True)
     result = TableRepairResult(key, epoch=snapshot.epoch)

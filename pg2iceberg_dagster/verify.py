@@ -59,6 +59,18 @@ class TableDiff:
         """Keys whose rows differ: only on one side, or different (duplicate keys not included)."""
         return self.only_in_pg + self.only_in_iceberg + self.different
 
+    def counts(self) -> dict[str, int]:
+        """The rows compared on each side and the differences of each kind, by name (the Dagster check's
+        metadata, the soak's report)."""
+        return {
+            "pg_rows": self.pg_rows,
+            "iceberg_rows": self.iceberg_rows,
+            "only_in_pg": self.only_in_pg,
+            "only_in_iceberg": self.only_in_iceberg,
+            "different": self.different,
+            "duplicate_keys": self.duplicate_keys,
+        }
+
     @property
     def ok(self) -> bool:
         return not (

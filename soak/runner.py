@@ -391,12 +391,7 @@ def divergences_of(diffs: list[TableDiff]) -> list[dict[str, Any]]:
     return [
         {
             "table": diff.table,
-            "pg_rows": diff.pg_rows,
-            "iceberg_rows": diff.iceberg_rows,
-            "only_in_pg": diff.only_in_pg,
-            "only_in_iceberg": diff.only_in_iceberg,
-            "different": diff.different,
-            "duplicate_keys": diff.duplicate_keys,
+            **diff.counts(),
             "examples": {k: [str(x) for x in v] for k, v in diff.examples.items()},
         }
         for diff in diffs
