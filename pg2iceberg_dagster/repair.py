@@ -31,6 +31,7 @@ write that landed before the crash is recognised by the epoch in its summary.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,41 @@ def repair(
 def repairs_pending(store: CoordinationStore) -> list[str]:
     """Tables whose repair was requested and has not finished (a crash interrupted it)."""
     return [key for key, state in store.table_states().items() if is_repair(state.resync_reason)]
+
+
+@dataclass(frozen=True)
+class RepairDue:
+    """A repair to carry out now: the slot lost (``slot_lost`` says why), or tables whose repair was
+    requested or interrupted (``tables``). ``key`` names this need and no other: it changes once the
+    slot is replaced (the slot's consistent point) and as a table's repair makes progress (the epoch it
+    compares in), so a scheduler launching one repair per key launches it once, and again only after
+    an attempt got somewhere."""
+
+    slot: str
+    slot_lost: str | None
+    tables: tuple[str, ...]
+    key: str
+
+    @property
+    def reason(self) -> str:
+        """Why, in a line (the log, the Dagster run's tag)."""
+        if self.slot_lost:
+            return f"replication slot {self.slot} {self.slot_lost}"
+        return f"the repair of {', '.join(self.tables)} is pending"
+
+
+def repair_due(config: PipelineConfig, store: CoordinationStore, report: StartupReport) -> RepairDue | None:
+    """What must be repaired now, given the startup checks' ``report`` (made with ``slot_lost_ok``); None
+    when nothing."""
+    states = store.table_states()
+    pending = tuple(sorted(key for key, state in states.items() if is_repair(state.resync_reason)))
+    if report.slot_lost is None and not pending:
+        return None
+    meta = store.pipeline_meta()
+    at = meta.consistent_point if meta is not None else None
+    progress = ",".join(f"{key}@{states[key].resync_epoch}" for key in pending)
+    digest = hashlib.sha256(f"{at}|{report.slot_lost}|{progress}".encode()).hexdigest()[:16]
+    return RepairDue(config.replication.slot, report.slot_lost, pending, f"repair-{digest}")
 
 
 def _drop_slot(config: PipelineConfig) -> None:
