@@ -132,8 +132,12 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
         results = pipeline.materialize(tables)
         pending = [key for key, result in results.items() if result.resync_reason]
         if args.resync and pending:
+            repairs = set(pipeline.repairs_pending())
             for key in pending:
-                _resync(pipeline, key)
+                if key in repairs:  # only its differences, not a copy of all of it
+                    pipeline.repair([key], on_table=_print_repair)
+                else:
+                    _resync(pipeline, key)
             results = pipeline.materialize(tables)  # what was staged meanwhile
         if args.json:
             print(json.dumps([result.as_json() for result in results.values()], indent=2))

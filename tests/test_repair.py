@@ -203,6 +203,33 @@ def test_repair_table_with_a_healthy_slot(source: SourceDb, tmp_path: Path, caps
     assert (again.rows_compared, again.rows_written, again.snapshot_id) == (10000, 0, None)
 
 
+def test_materialize_once_resync_repairs_a_table_waiting_for_a_repair(
+    source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`materialize --once --resync` carries out the repair a table waits for (one `repair --table`
+    requested and did not finish): only its differences are written, it is not copied again."""
+    _table(source.conninfo, rows=1000)
+    config = source.config([KEY])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    _iceberg(pipeline).delete(EqualTo("id", 5))
+    pipeline.store.request_resync(KEY, REQUESTED_REASON)  # the first step of `repair --table`
+    source.execute("UPDATE public.t SET v = 'staged' WHERE id = 8")
+    pipeline.stream(until_caught_up=True)
+    path = _write_config(tmp_path / "p.yaml", config)
+    capsys.readouterr()
+    assert main(["-c", str(path), "materialize", "--once", "--resync"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    # Row 5 (missing) and row 8 (changed since) written; the change staged for row 8 is then skipped.
+    assert re.search(r"public\.t: 1999 rows compared .* 3 written \(2 upserted, 1 deleted\) in one commit", out)
+    assert "switched in one commit" not in out, "no resync copy"
+    # The staged change is then read and skipped (the repair's snapshot shows it): the cursor reaches the head.
+    assert "public.t: 0 changes (0 upserts, 0 deletes) in 1 batches; mat_cursor 1/1" in out
+    assert_mirrored(pipeline)
+
+
 def test_refuse_policy_names_the_repair_command(source: SourceDb, tmp_path: Path) -> None:
     """With replication.on_slot_lost: refuse, `run` and `stream` stop at a lost slot and say how to
     repair; `repair` then does it."""
