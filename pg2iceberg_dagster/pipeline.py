@@ -29,7 +29,7 @@ from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
 from .metrics import PipelineMetrics, serve_metrics_once
-from .repair import RepairDue, RepairResult, TableRepairResult, repair, repair_due, repairs_pending
+from .repair import RepairDue, RepairResult, SparkWriter, TableRepairResult, repair, repair_due, repairs_pending
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
@@ -349,7 +349,9 @@ class Pipeline:
             if key not in report.tables:
                 raise ConfigError(f"{key} is not a configured table")
         worker = f"repair:{os.getpid()}"
-        result = repair(self.config, self.tables, self.store, self.catalog, report, worker, table_keys, on_table)
+        # Spark starts only for a merge-on-read table with differences (its deletes as position deletes).
+        spark = SparkWriter(self.spark, self.objects)
+        result = repair(self.config, self.tables, self.store, self.catalog, report, worker, table_keys, on_table, spark)
         self._report = None  # the slot may be new: the next entry point checks again
         return result
 

@@ -52,17 +52,29 @@ from .faults import crash_point
 from .iceberg.catalog import epoch_committed
 from .iceberg.evolution import evolve_schema, pending_fills, without_pending_fills
 from .iceberg.types import arrow_schema
+from .materializer.branch import spark_view, write_on_branch
+from .materializer.spark_sql import OP_COLUMN
 from .snapshot.holder import SnapshotHolder
 from .snapshot.resync import request_resync
 from .source.catalog import SourceTable
 from .source.connection import connect
 from .source.xid_snapshot import imported_snapshot
-from .tables import MirroredTables
+from .staging.store import ObjectStore
+from .tables import MirroredTable, MirroredTables
 from .validation import StartupReport
 from .verify import RowDifferences, compare_table
 
 REPAIR_EPOCH = "pg2iceberg.repair-epoch"  # in the repair commit's summary: the epoch it compared in
 REQUESTED_REASON = REPAIR_PREFIX + "requested"
+
+
+@dataclass(frozen=True)
+class SparkWriter:
+    """What a merge-on-read table's repair writes through: Spark (its session made on first use), which
+    reads the rows to write from the staging store ``objects``."""
+
+    session: Callable[[], Any]
+    objects: ObjectStore
 
 
 @dataclass
@@ -110,6 +122,7 @@ def repair(
     worker_id: str,
     table_keys: Sequence[str] | None = None,
     on_table: Callable[[TableRepairResult], None] | None = None,
+    spark: SparkWriter | None = None,
 ) -> RepairResult:
     """Repair the lost slot (when ``report.slot_lost``: every mirrored table, whatever ``table_keys``,
     since none received the lost changes), else the tables named by ``table_keys``, else those whose
@@ -157,7 +170,7 @@ def repair(
         holder = SnapshotHolder(config, store, create_slot=False)
     with holder:
         for key in keys:
-            done = repair_table(config, tables, store, catalog, report.tables[key], holder.advertised)
+            done = repair_table(config, tables, store, catalog, report.tables[key], holder.advertised, spark)
             result.tables.append(done)
             if on_table:
                 on_table(done)
@@ -226,13 +239,14 @@ def repair_table(
     catalog: Catalog,
     source: SourceTable,
     snapshot: AdvertisedSnapshot,
+    spark: SparkWriter | None = None,
 ) -> TableRepairResult:
     """Steps 2 to 4 for one table whose repair is requested, under ``snapshot`` (an exported snapshot
-    taken after the request)."""
+    taken after the request); a merge-on-read table is written through ``spark`` when given."""
     # One repair of a table at a time (a `repair --table` next to `run` finishing the same one): the
     # second finds it done.
     with store.table_snapshot_lock(source.key):
-        return _repair_table(config, tables, store, catalog, source, snapshot)
+        return _repair_table(config, tables, store, catalog, source, snapshot, spark)
 
 
 def _repair_table(
@@ -242,6 +256,7 @@ def _repair_table(
     catalog: Catalog,
     source: SourceTable,
     snapshot: AdvertisedSnapshot,
+    spark: SparkWriter | None,
 ) -> TableRepairResult:
     started = time.monotonic()
     key = source.key
@@ -265,7 +280,10 @@ def _repair_table(
     result.pg_rows, result.iceberg_rows = diff.pg_rows, diff.iceberg_rows
     result.upserted, result.deleted = differences.upserted, len(differences.delete_keys)
     crash_point("repair.before_commit")
-    result.snapshot_id = _write(table, differences, snapshot.epoch, key)
+    if spark is not None and merges_on_read(table):
+        result.snapshot_id = _write_through_spark(config, tables[key], spark, table, differences)
+    else:
+        result.snapshot_id = _write(table, differences, snapshot.epoch, key)
     crash_point("repair.after_commit")
     store.finish_resync(key, snapshot.epoch)
     result.seconds = time.monotonic() - started
@@ -298,6 +316,57 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> i
         ) from None
     current = committed.current_snapshot()
     return current.snapshot_id if current else None
+
+
+def merges_on_read(table: Table) -> bool:
+    """Whether the table's deletes are merge-on-read (position deletes): pyiceberg's delete would
+    rewrite the data files instead."""
+    properties = table.properties
+    return "merge-on-read" in (properties.get("write.delete.mode"), properties.get("write.merge.mode"))
+
+
+def _write_through_spark(
+    config: PipelineConfig, mirrored: MirroredTable, spark: SparkWriter, table: Table, differences: RowDifferences
+) -> int | None:
+    """Step 3 for a merge-on-read table: the differing keys deleted (position deletes) and the source's
+    rows appended on the table's merge branch, then main fast-forwarded to it: one step for readers,
+    as a merge writes. (Spark's SQL cannot put the epoch in the summary: a crash before the repair is
+    recorded compares again under a newer snapshot, which finds nothing left to write but what
+    changed since.) None when nothing differs."""
+    if not differences.delete_keys and not differences.upserted:
+        return None
+    rows = _spark_rows(table, differences)
+    schema = table.schema()
+    key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
+    session = spark.session()
+    with spark_view(session, spark.objects, mirrored.staging, rows) as view:
+        write_on_branch(session, config.iceberg.catalog.name, mirrored.iceberg, table, key_names, view, False)
+    current = table.refresh().current_snapshot()
+    return current.snapshot_id if current else None
+
+
+def _spark_rows(table: Table, differences: RowDifferences) -> pa.Table:
+    """The repair's rows as the branch write takes them: the source's rows to upsert (op ``U``), then a
+    row per key only in Iceberg (op ``D``, its key set, NULL elsewhere)."""
+    schema = arrow_schema(table.schema())
+    # A key's values come in the order of the identifier fields (the source's primary key).
+    key_names = [table.schema().find_field(field_id).name for field_id in table.schema().identifier_field_ids]
+    parts = []
+    if differences.upserted:
+        upserts = _as_table_rows(table, pa.concat_tables(differences.upserts))
+        parts.append(upserts.append_column(OP_COLUMN, pa.array(["U"] * upserts.num_rows, pa.string())))
+    keys = differences.delete_only_keys
+    if keys:
+        columns = [
+            pa.array([key[key_names.index(target.name)] for key in keys], target.type)
+            if target.name in key_names
+            else pa.nulls(len(keys), target.type)
+            for target in schema
+        ]
+        parts.append(
+            pa.Table.from_arrays([*columns, pa.array(["D"] * len(keys), pa.string())], names=[*schema.names, OP_COLUMN])
+        )
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 def _as_table_rows(table: Table, rows: pa.Table) -> pa.Table:

@@ -277,6 +277,9 @@ class RowDifferences:
 
     upserts: list[pa.Table] = field(default_factory=list)
     delete_keys: list[tuple] = field(default_factory=list)
+    # The keys of ``delete_keys`` with no upsert (only in Iceberg): a writer that deletes and upserts by
+    # key in one statement needs each key once.
+    delete_only_keys: list[tuple] = field(default_factory=list)
 
     @property
     def upserted(self) -> int:
@@ -285,6 +288,7 @@ class RowDifferences:
     def add(self, pg_rows: pa.Table, positions: list[int], upsert: set[tuple], delete: set[tuple]) -> None:
         """Keep the rows of ``pg_rows`` whose key is in ``upsert``, and the keys of ``delete``."""
         self.delete_keys.extend(delete)
+        self.delete_only_keys.extend(delete - upsert)
         if not upsert:
             return
         with_nan = _normalizers(pg_rows.schema)

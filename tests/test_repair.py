@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 import yaml
 from pyiceberg.expressions import EqualTo, LessThanOrEqual
+from pyiceberg.manifest import DataFileContent
 from pyiceberg.table import Table
 
 from pg2iceberg_dagster import verify
@@ -464,3 +465,33 @@ def test_a_slot_the_server_invalidated_says_why(source: SourceDb, tmp_path: Path
     with psycopg.connect(source.conninfo, autocommit=True) as conn:
         healthy = slot_info(conn, "healthy")
     assert healthy is not None and healthy.invalidated is None and healthy.lost is None
+
+
+def test_a_merge_on_read_table_is_repaired_with_position_deletes(source: SourceDb) -> None:
+    """A merge-on-read table keeps its delete format: the repair deletes by position (Spark, on the
+    merge branch, fast-forwarded in one step) and rewrites none of its data files."""
+    _table(source.conninfo, rows=3000)
+    merge_on_read = {f"write.{kind}.mode": "merge-on-read" for kind in ("merge", "update", "delete")}
+    iceberg = source.config([KEY]).iceberg.model_dump(mode="json", exclude_none=True)
+    iceberg["table_properties"] = {**iceberg["table_properties"], **merge_on_read}
+    config = source.config([KEY], iceberg=iceberg)
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    before = {task.file.file_path for task in _iceberg(pipeline).scan().plan_files()}
+    _drop_slot(source, config)
+    source.execute("UPDATE public.t SET v = 'changed' WHERE id % 100 = 0")  # 30 rows, spread over the files
+    source.execute("DELETE FROM public.t WHERE id BETWEEN 1001 AND 1010")
+    source.execute("INSERT INTO public.t SELECT g, 'new', g FROM generate_series(9001, 9005) g")
+
+    [table] = source.pipeline(config).repair().tables
+    print(f"\nmerge-on-read repair: {table.rows_compared} rows compared, {table.rows_written} written")
+    assert (table.upserted, table.deleted) == (35, 40)
+    tasks = list(_iceberg(pipeline).scan().plan_files())
+    after = {task.file.file_path for task in tasks}
+    assert before <= after, "no data file was rewritten"
+    deletes = {delete.file_path: delete.content for task in tasks for delete in task.delete_files}
+    assert deletes and all(content == DataFileContent.POSITION_DELETES for content in deletes.values())
+    source.execute("UPDATE public.t SET v = 'streamed' WHERE id <= 5")
+    sync(pipeline)
+    assert_mirrored(pipeline)
