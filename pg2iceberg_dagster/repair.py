@@ -42,7 +42,7 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import And, BooleanExpression, EqualTo, In, Or
-from pyiceberg.table import Table
+from pyiceberg.table import Table, Transaction
 
 from .config import PipelineConfig
 from .coordination.records import REPAIR_PREFIX, SLOT_LOST_REASON, AdvertisedSnapshot, is_repair
@@ -299,9 +299,7 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> i
     properties = {REPAIR_EPOCH: str(epoch)}
     schema = table.schema()
     transaction = table.transaction()
-    fills = pending_fills(table)
-    if fills:
-        transaction.set_properties(without_pending_fills(table, [fill.field_id for fill in fills]))
+    _forget_pending_fills(table, transaction)
     if differences.delete_keys:
         key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
         transaction.delete(key_filter(key_names, differences.delete_keys), snapshot_properties=properties)
@@ -316,6 +314,14 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> i
         ) from None
     current = committed.current_snapshot()
     return current.snapshot_id if current else None
+
+
+def _forget_pending_fills(table: Table, transaction: Transaction) -> None:
+    """Forget the table's pending DEFAULT fills in ``transaction``: the rows a repair writes and compares
+    hold their values."""
+    fills = pending_fills(table)
+    if fills:
+        transaction.set_properties(without_pending_fills(table, [fill.field_id for fill in fills]))
 
 
 def merges_on_read(table: Table) -> bool:
@@ -335,6 +341,12 @@ def _write_through_spark(
     changed since.) None when nothing differs."""
     if not differences.delete_keys and not differences.upserted:
         return None
+    if pending_fills(table):
+        # Before the rows (they hold the values): a crash in between leaves rows the next comparison
+        # finds different, where a fill left behind would overwrite the rows written with its default.
+        transaction = table.transaction()
+        _forget_pending_fills(table, transaction)
+        table = transaction.commit_transaction()
     rows = _spark_rows(table, differences)
     schema = table.schema()
     key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
