@@ -177,6 +177,12 @@ def cmd_repair(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def _print_repair(result: TableRepairResult) -> None:
+    if result.left_to_resync:
+        print(
+            f"{result.table}: not repaired, left to an online resync ({result.left_to_resync}): "
+            f"`pg2iceberg-dagster resync --table {result.table}`"
+        )
+        return
     if result.resumed:
         print(f"{result.table}: already repaired (before an interruption, or by another process; epoch {result.epoch})")
         return

@@ -47,16 +47,16 @@ from pyiceberg.table import Table, Transaction
 from .config import PipelineConfig
 from .coordination.records import REPAIR_PREFIX, SLOT_LOST_REASON, AdvertisedSnapshot, is_repair
 from .coordination.store import CoordinationStore
-from .errors import Pg2IcebergError, SlotBusyError
+from .errors import Pg2IcebergError, ResyncRequiredError, SlotBusyError
 from .faults import crash_point
 from .iceberg.catalog import epoch_committed
-from .iceberg.evolution import evolve_schema, pending_fills, without_pending_fills
+from .iceberg.evolution import evolve_schema, pending_fills, source_files_properties, without_pending_fills
 from .iceberg.types import arrow_schema
 from .materializer.branch import spark_view, write_on_branch
 from .materializer.spark_sql import OP_COLUMN
 from .snapshot.holder import SnapshotHolder
 from .snapshot.resync import request_resync
-from .source.catalog import SourceTable
+from .source.catalog import SourceTable, source_files_seen_by
 from .source.connection import connect
 from .source.xid_snapshot import imported_snapshot
 from .staging.store import ObjectStore
@@ -92,6 +92,8 @@ class TableRepairResult:
     # Its commit had landed before an interruption (only recorded as finished now), or another process
     # repaired it meanwhile: nothing compared here.
     resumed: bool = False
+    # A source change no comparison can follow was found: the table waits for an online resync instead.
+    left_to_resync: str | None = None
 
     @property
     def rows_compared(self) -> int:
@@ -272,34 +274,46 @@ def _repair_table(
     result = TableRepairResult(key, epoch=snapshot.epoch)
     store.start_resync_copy(key, snapshot.epoch)
     # A column added at the source reaches Iceberg first (a schema-only commit: no row changes).
-    if evolve_schema(table, key, source.columns):
-        table = catalog.load_table(identifier)
+    try:
+        if evolve_schema(table, key, source.columns):
+            table = catalog.load_table(identifier)
+    except ResyncRequiredError as exc:
+        # A change no comparison can follow (a type Iceberg cannot evolve into, a generated column added):
+        # the table is copied again instead, by an online resync (merges keep waiting for it).
+        store.replace_resync_reason(key, exc.reason)
+        result.left_to_resync = exc.reason
+        return result
     differences = RowDifferences()
     with connect(config.source) as conn, imported_snapshot(conn, snapshot.name):
         diff = compare_table(conn, source, table, config.values.out_of_range, differences=differences)
     result.pg_rows, result.iceberg_rows = diff.pg_rows, diff.iceberg_rows
     result.upserted, result.deleted = differences.upserted, len(differences.delete_keys)
+    # The source files the comparison read (a partition truncated or a table rewritten while the slot was
+    # lost): recorded with the rows, or the next merge would find them changed and ask for a resync.
+    files = source_files_properties(source_files_seen_by(config.source, source, snapshot.name))
     crash_point("repair.before_commit")
     if spark is not None and merges_on_read(table):
-        result.snapshot_id = _write_through_spark(config, tables[key], spark, table, differences)
+        result.snapshot_id = _write_through_spark(config, tables[key], spark, table, differences, files)
     else:
-        result.snapshot_id = _write(table, differences, snapshot.epoch, key)
+        result.snapshot_id = _write(table, differences, snapshot.epoch, key, files)
     crash_point("repair.after_commit")
     store.finish_resync(key, snapshot.epoch)
     result.seconds = time.monotonic() - started
     return result
 
 
-def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> int | None:
+def _write(table: Table, differences: RowDifferences, epoch: int, key: str, files: dict[str, str]) -> int | None:
     """Step 3: one commit deleting ``differences.delete_keys`` and appending ``differences.upserts``
-    (and forgetting DEFAULT fills: the rows written and compared hold their values). None when
-    nothing differs."""
+    (and recording what was compared, see :func:`_record_compared`). None when nothing differs (the
+    record alone is committed when it changed)."""
+    transaction = table.transaction()
     if not differences.delete_keys and not differences.upserted:
+        if _record_compared(table, transaction, files):
+            transaction.commit_transaction()
         return None
     properties = {REPAIR_EPOCH: str(epoch)}
     schema = table.schema()
-    transaction = table.transaction()
-    _forget_pending_fills(table, transaction)
+    _record_compared(table, transaction, files)
     if differences.delete_keys:
         key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
         transaction.delete(key_filter(key_names, differences.delete_keys), snapshot_properties=properties)
@@ -316,12 +330,17 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> i
     return current.snapshot_id if current else None
 
 
-def _forget_pending_fills(table: Table, transaction: Transaction) -> None:
-    """Forget the table's pending DEFAULT fills in ``transaction``: the rows a repair writes and compares
-    hold their values."""
+def _record_compared(table: Table, transaction: Transaction, files: dict[str, str]) -> bool:
+    """Record in ``transaction`` what the rows written and compared are: the source ``files`` (table
+    properties) they were read from, and no pending DEFAULT fill (they hold their values). Whether
+    anything changed."""
+    properties = {name: value for name, value in files.items() if table.properties.get(name) != value}
     fills = pending_fills(table)
     if fills:
-        transaction.set_properties(without_pending_fills(table, [fill.field_id for fill in fills]))
+        properties.update(without_pending_fills(table, [fill.field_id for fill in fills]))
+    if properties:
+        transaction.set_properties(properties)
+    return bool(properties)
 
 
 def merges_on_read(table: Table) -> bool:
@@ -332,21 +351,25 @@ def merges_on_read(table: Table) -> bool:
 
 
 def _write_through_spark(
-    config: PipelineConfig, mirrored: MirroredTable, spark: SparkWriter, table: Table, differences: RowDifferences
+    config: PipelineConfig,
+    mirrored: MirroredTable,
+    spark: SparkWriter,
+    table: Table,
+    differences: RowDifferences,
+    files: dict[str, str],
 ) -> int | None:
     """Step 3 for a merge-on-read table: the differing keys deleted (position deletes) and the source's
     rows appended on the table's merge branch, then main fast-forwarded to it: one step for readers,
     as a merge writes. (Spark's SQL cannot put the epoch in the summary: a crash before the repair is
     recorded compares again under a newer snapshot, which finds nothing left to write but what
     changed since.) None when nothing differs."""
+    # The record first (Spark's write cannot carry it): a crash in between leaves rows the next
+    # comparison finds different, where a fill left behind would overwrite the rows written with its default.
+    transaction = table.transaction()
+    if _record_compared(table, transaction, files):
+        table = transaction.commit_transaction()
     if not differences.delete_keys and not differences.upserted:
         return None
-    if pending_fills(table):
-        # Before the rows (they hold the values): a crash in between leaves rows the next comparison
-        # finds different, where a fill left behind would overwrite the rows written with its default.
-        transaction = table.transaction()
-        _forget_pending_fills(table, transaction)
-        table = transaction.commit_transaction()
     rows = _spark_rows(table, differences)
     schema = table.schema()
     key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]

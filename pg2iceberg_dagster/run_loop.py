@@ -264,6 +264,9 @@ def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: floa
 
 
 def _log_repair(result: TableRepairResult) -> None:
+    if result.left_to_resync:
+        log.warning("%s left to an online resync: %s", result.table, result.left_to_resync)
+        return
     if result.resumed:
         log.warning("repair of %s was already written (epoch %s)", result.table, result.epoch)
         return

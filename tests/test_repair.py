@@ -495,3 +495,35 @@ def test_a_merge_on_read_table_is_repaired_with_position_deletes(source: SourceD
     source.execute("UPDATE public.t SET v = 'streamed' WHERE id <= 5")
     sync(pipeline)
     assert_mirrored(pipeline)
+
+
+def test_changes_no_comparison_follows_made_while_the_slot_was_lost(source: SourceDb) -> None:
+    """While the slot is lost: a partition is truncated (rows leave with no WAL change) and a table gets
+    a generated column (computed for every row with no WAL change). The repair writes the truncation's
+    differences and records the partitions it read, so merges do not ask for a resync afterwards; the
+    generated column cannot be followed by a comparison: that table is left to an online resync."""
+    _table(source.conninfo, rows=500)
+    source.execute(
+        "CREATE TABLE public.p (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region)"
+    )
+    source.execute("CREATE TABLE public.p_eu PARTITION OF public.p FOR VALUES IN ('eu')")
+    source.execute("CREATE TABLE public.p_us PARTITION OF public.p FOR VALUES IN ('us')")
+    source.execute("INSERT INTO public.p SELECT g, (ARRAY['eu', 'us'])[g % 2 + 1], 'v' FROM generate_series(1, 200) g")
+    config = source.config([KEY, "public.p"])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    _drop_slot(source, config)
+    source.execute("TRUNCATE public.p_eu")
+    source.execute("ALTER TABLE public.t ADD COLUMN twice int GENERATED ALWAYS AS (n * 2) STORED")
+
+    result = source.pipeline(config).repair()
+    by_table = {table.table: table for table in result.tables}
+    assert by_table["public.p"].deleted == 100 and by_table["public.p"].left_to_resync is None
+    assert by_table[KEY].left_to_resync and "generated" in by_table[KEY].left_to_resync.lower()
+    source.execute("UPDATE public.p SET v = 'streamed' WHERE id <= 10")
+    sync(pipeline)
+    assert list(pipeline.resyncs_pending()) == [KEY], "the partitions the repair read are recorded"
+    pipeline.resync(KEY)
+    sync(pipeline)
+    assert_mirrored(pipeline)

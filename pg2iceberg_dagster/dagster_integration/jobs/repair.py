@@ -42,6 +42,15 @@ def _repaired(mirror: Mirror, result: TableRepairResult) -> AssetMaterialization
     )
 
 
+def _report(context: OpExecutionContext, mirror: Mirror, done: TableRepairResult) -> None:
+    """A table's repair as the run reports it: its materialization, or why it was left to a resync
+    (the resync sensor launches that)."""
+    if done.left_to_resync:
+        context.log.warning("%s left to an online resync: %s", done.table, done.left_to_resync)
+    else:
+        context.log_event(_repaired(mirror, done))
+
+
 def repair_job(mirror: Mirror) -> JobDefinition:
     """The mirror's repair job (``<name>_repair``): the run config may name one table."""
 
@@ -56,7 +65,7 @@ def repair_job(mirror: Mirror) -> JobDefinition:
         keys = [chosen_table(mirror, context).key] if "table" in context.op_config else None
         spark_factory = mirror.spark_resource(context).get_session
         with mirror.pipeline_resource(context).pipeline(spark_factory=spark_factory) as pipeline:
-            result = pipeline.repair(keys, on_table=lambda done: context.log_event(_repaired(mirror, done)))
+            result = pipeline.repair(keys, on_table=lambda done: _report(context, mirror, done))
             slot = pipeline.config.replication.slot
         if result.slot_lost:
             context.log.warning("replication slot %s %s: replaced by a new one", slot, result.slot_lost)
