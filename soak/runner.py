@@ -348,7 +348,8 @@ class Scenario:
     def _merge(self, pipeline: Pipeline) -> None:
         """Merge every table; resync those a merge found the WAL cannot follow (in a child that may die
         first, as ``run`` or a Dagster run could), then merge them."""
-        self._finish_repairs(pipeline)
+        if self._slot_was_lost:
+            self._finish_repairs(pipeline)
         pipeline.materialize()
         if not pipeline.resyncs_pending():
             return
@@ -402,16 +403,23 @@ class Scenario:
         self.workload.allow_ddl = True
         self.workload.kinds["add_table"] += 1
 
+    @property
+    def _slot_was_lost(self) -> bool:
+        return any(fault in SLOT_FAULTS for fault in self.result.faults)
+
     @staticmethod
     def _finish_repairs(pipeline: Pipeline) -> None:
-        """Finish a repair of a lost slot that a `stream` killed at startup left (the next `stream` would)."""
+        """Finish a repair of a lost slot that a `stream` killed at startup left (the next `stream` would),
+        and the resyncs a repair left (a change made while the slot was lost no comparison can follow)."""
         if pipeline.repairs_pending():
             pipeline.repair()
+        for table_key in pipeline.resyncs_pending():
+            pipeline.resync(table_key)
 
     def _finish(self) -> None:
         if self.removed is not None:
             self._change_tables()  # every table is verified at the end
-        if any(fault in SLOT_FAULTS for fault in self.result.faults):
+        if self._slot_was_lost:
             self._pipeline_call(self._finish_repairs)  # before `materialize --once`, which would wait for it
         if self.rng.random() < self.profile.materialize_fault_rate:
             self._pipeline_call(lambda p: p.stream(until_caught_up=True))
