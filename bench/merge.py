@@ -23,7 +23,7 @@ pairs (changes per second), and the warm rate against 100k changes/s.
 
 A merge-on-read table of at least ``materialize.branch_upsert_min_rows`` rows (the 2M rows here) is
 written as delete-by-key plus append on a branch, then main is fast-forwarded (see
-``Materializer._write_on_branch``); the raw MERGE is Spark's own plan for the same changes.
+``materializer.branch.write_on_branch``); the raw MERGE is Spark's own plan for the same changes.
 """
 
 from __future__ import annotations

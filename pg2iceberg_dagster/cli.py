@@ -137,8 +137,12 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
         results = pipeline.materialize(tables)
         pending = [key for key, result in results.items() if result.resync_reason]
         if args.resync and pending:
+            repairs = set(pipeline.repairs_pending())
             for key in pending:
-                _resync(pipeline, key)
+                if key in repairs:  # only its differences, not a copy of all of it
+                    pipeline.repair([key], on_table=_print_repair)
+                else:
+                    _resync(pipeline, key)
             results = pipeline.materialize(tables)  # what was staged meanwhile
         if args.json:
             print(json.dumps([result.as_json() for result in results.values()], indent=2))
@@ -178,6 +182,12 @@ def cmd_repair(pipeline: Pipeline, args: argparse.Namespace) -> int:
 
 
 def _print_repair(result: TableRepairResult) -> None:
+    if result.left_to_resync:
+        print(
+            f"{result.table}: not repaired, left to an online resync ({result.left_to_resync}): "
+            f"`pg2iceberg-dagster resync --table {result.table}`"
+        )
+        return
     if result.resumed:
         print(f"{result.table}: already repaired (before an interruption, or by another process; epoch {result.epoch})")
         return

@@ -38,7 +38,8 @@ from .coordination.protocol import LEASE_RETRY_SECONDS, LEASE_WAIT_SECONDS, writ
 from .coordination.store import CoordinationStore
 from .errors import ConfigError, CutError
 from .iceberg.commit import commit_with_retry
-from .materializer.merge import MERGE_BRANCH, Materializer
+from .materializer.branch import MERGE_BRANCH
+from .materializer.merge import Materializer
 from .source.lsn import format_lsn, parse_lsn
 from .tables import MirroredTables
 

@@ -30,7 +30,7 @@ from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
 from .materializer.warm_spark import warm_session as warm_spark_session
 from .metrics import PipelineMetrics, serve_metrics_once
-from .repair import RepairResult, TableRepairResult, repair, repairs_pending
+from .repair import RepairDue, RepairResult, SparkWriter, TableRepairResult, repair, repair_due, repairs_pending
 from .snapshot.holder import holder_lock_key
 from .snapshot.resync import ResyncResult, resync_table
 from .snapshot.runner import ChunkCallback, SnapshotRunner, TableSnapshotResult
@@ -53,6 +53,7 @@ __all__ = [
     "MergeResult",
     "Pipeline",
     "PipelineMetrics",
+    "RepairDue",
     "RepairResult",
     "ResyncResult",
     "SlotInfo",
@@ -350,7 +351,9 @@ class Pipeline:
             if key not in report.tables:
                 raise ConfigError(f"{key} is not a configured table")
         worker = f"repair:{os.getpid()}"
-        result = repair(self.config, self.tables, self.store, self.catalog, report, worker, table_keys, on_table)
+        # Spark starts only for a merge-on-read table with differences (its deletes as position deletes).
+        spark = SparkWriter(self.spark, self.objects)
+        result = repair(self.config, self.tables, self.store, self.catalog, report, worker, table_keys, on_table, spark)
         self._report = None  # the slot may be new: the next entry point checks again
         return result
 
@@ -358,15 +361,27 @@ class Pipeline:
         """What ``run`` and ``stream`` do first under ``replication.on_slot_lost: repair``: repair a lost
         slot, or finish a repair a crash interrupted; None when there was nothing to repair (or the
         policy is ``refuse``: then the startup checks refuse a lost slot, naming ``repair``)."""
+        due = self.repair_due()
+        if due is None:
+            return None
+        log.warning("%s: repairing", due.reason)
+        return self.repair(on_table=on_table)
+
+    def repair_due(self) -> RepairDue | None:
+        """The repair to run now under ``replication.on_slot_lost: repair`` (a lost slot, or a repair
+        requested or interrupted), None when there is none or the policy is ``refuse``."""
         if self.config.replication.on_slot_lost != "repair":
             return None
         report = check_startup(self.config, self.store, slot_lost_ok=True)
-        if report.slot_lost is None and not repairs_pending(self.store):
+        due = repair_due(self.config, self.store, report)
+        if due is None:
             self._report = report
-            return None
-        if report.slot_lost:
-            log.warning("replication slot %s %s: repairing", self.config.replication.slot, report.slot_lost)
-        return self.repair(on_table=on_table)
+        return due
+
+    def repairs_pending(self) -> list[str]:
+        """Tables waiting for a repair (requested by ``repair --table``, for a lost slot, or interrupted)."""
+        self.store.migrate()
+        return repairs_pending(self.store)
 
     def resyncs_pending(self) -> dict[str, str]:
         """Tables waiting for an online resync, with the reason."""

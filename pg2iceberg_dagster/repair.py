@@ -31,6 +31,7 @@ write that landed before the crash is recognised by the epoch in its summary.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,27 +42,39 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import And, BooleanExpression, EqualTo, In, Or
-from pyiceberg.table import Table
+from pyiceberg.table import Table, Transaction
 
 from .config import PipelineConfig
 from .coordination.records import REPAIR_PREFIX, SLOT_LOST_REASON, AdvertisedSnapshot, is_repair
 from .coordination.store import CoordinationStore
-from .errors import Pg2IcebergError, SlotBusyError
+from .errors import Pg2IcebergError, ResyncRequiredError, SlotBusyError
 from .faults import crash_point
-from .iceberg.catalog import snapshot_summaries
-from .iceberg.evolution import evolve_schema, pending_fills, without_pending_fills
+from .iceberg.catalog import epoch_committed
+from .iceberg.evolution import evolve_schema, pending_fills, source_files_properties, without_pending_fills
 from .iceberg.types import arrow_schema
+from .materializer.branch import spark_view, write_on_branch
+from .materializer.spark_sql import OP_COLUMN
 from .snapshot.holder import SnapshotHolder
 from .snapshot.resync import request_resync
-from .source.catalog import SourceTable
+from .source.catalog import SourceTable, source_files_seen_by
 from .source.connection import connect
 from .source.xid_snapshot import imported_snapshot
-from .tables import MirroredTables
+from .staging.store import ObjectStore
+from .tables import MirroredTable, MirroredTables
 from .validation import StartupReport
 from .verify import RowDifferences, compare_table
 
 REPAIR_EPOCH = "pg2iceberg.repair-epoch"  # in the repair commit's summary: the epoch it compared in
 REQUESTED_REASON = REPAIR_PREFIX + "requested"
+
+
+@dataclass(frozen=True)
+class SparkWriter:
+    """What a merge-on-read table's repair writes through: Spark (its session made on first use), which
+    reads the rows to write from the staging store ``objects``."""
+
+    session: Callable[[], Any]
+    objects: ObjectStore
 
 
 @dataclass
@@ -79,6 +92,8 @@ class TableRepairResult:
     # Its commit had landed before an interruption (only recorded as finished now), or another process
     # repaired it meanwhile: nothing compared here.
     resumed: bool = False
+    # A source change no comparison can follow was found: the table waits for an online resync instead.
+    left_to_resync: str | None = None
 
     @property
     def rows_compared(self) -> int:
@@ -109,6 +124,7 @@ def repair(
     worker_id: str,
     table_keys: Sequence[str] | None = None,
     on_table: Callable[[TableRepairResult], None] | None = None,
+    spark: SparkWriter | None = None,
 ) -> RepairResult:
     """Repair the lost slot (when ``report.slot_lost``: every mirrored table, whatever ``table_keys``,
     since none received the lost changes), else the tables named by ``table_keys``, else those whose
@@ -156,7 +172,7 @@ def repair(
         holder = SnapshotHolder(config, store, create_slot=False)
     with holder:
         for key in keys:
-            done = repair_table(config, tables, store, catalog, report.tables[key], holder.advertised)
+            done = repair_table(config, tables, store, catalog, report.tables[key], holder.advertised, spark)
             result.tables.append(done)
             if on_table:
                 on_table(done)
@@ -166,6 +182,41 @@ def repair(
 def repairs_pending(store: CoordinationStore) -> list[str]:
     """Tables whose repair was requested and has not finished (a crash interrupted it)."""
     return [key for key, state in store.table_states().items() if is_repair(state.resync_reason)]
+
+
+@dataclass(frozen=True)
+class RepairDue:
+    """A repair to carry out now: the slot lost (``slot_lost`` says why), or tables whose repair was
+    requested or interrupted (``tables``). ``key`` names this need and no other: it changes once the
+    slot is replaced (the slot's consistent point) and as a table's repair makes progress (the epoch it
+    compares in), so a scheduler launching one repair per key launches it once, and again only after
+    an attempt got somewhere."""
+
+    slot: str
+    slot_lost: str | None
+    tables: tuple[str, ...]
+    key: str
+
+    @property
+    def reason(self) -> str:
+        """Why, in a line (the log, the Dagster run's tag)."""
+        if self.slot_lost:
+            return f"replication slot {self.slot} {self.slot_lost}"
+        return f"the repair of {', '.join(self.tables)} is pending"
+
+
+def repair_due(config: PipelineConfig, store: CoordinationStore, report: StartupReport) -> RepairDue | None:
+    """What must be repaired now, given the startup checks' ``report`` (made with ``slot_lost_ok``); None
+    when nothing."""
+    states = store.table_states()
+    pending = tuple(sorted(key for key, state in states.items() if is_repair(state.resync_reason)))
+    if report.slot_lost is None and not pending:
+        return None
+    meta = store.pipeline_meta()
+    at = meta.consistent_point if meta is not None else None
+    progress = ",".join(f"{key}@{states[key].resync_epoch}" for key in pending)
+    digest = hashlib.sha256(f"{at}|{report.slot_lost}|{progress}".encode()).hexdigest()[:16]
+    return RepairDue(config.replication.slot, report.slot_lost, pending, f"repair-{digest}")
 
 
 def _drop_slot(config: PipelineConfig) -> None:
@@ -183,11 +234,6 @@ def _drop_slot(config: PipelineConfig) -> None:
             ) from None
 
 
-def _repaired_in(table: Table, epoch: int) -> bool:
-    """The repair commit of a comparison made in ``epoch`` landed."""
-    return any(summary.get(REPAIR_EPOCH) == str(epoch) for summary in snapshot_summaries(table))
-
-
 def repair_table(
     config: PipelineConfig,
     tables: MirroredTables,
@@ -195,13 +241,14 @@ def repair_table(
     catalog: Catalog,
     source: SourceTable,
     snapshot: AdvertisedSnapshot,
+    spark: SparkWriter | None = None,
 ) -> TableRepairResult:
     """Steps 2 to 4 for one table whose repair is requested, under ``snapshot`` (an exported snapshot
-    taken after the request)."""
+    taken after the request); a merge-on-read table is written through ``spark`` when given."""
     # One repair of a table at a time (a `repair --table` next to `run` finishing the same one): the
     # second finds it done.
     with store.table_snapshot_lock(source.key):
-        return _repair_table(config, tables, store, catalog, source, snapshot)
+        return _repair_table(config, tables, store, catalog, source, snapshot, spark)
 
 
 def _repair_table(
@@ -211,6 +258,7 @@ def _repair_table(
     catalog: Catalog,
     source: SourceTable,
     snapshot: AdvertisedSnapshot,
+    spark: SparkWriter | None,
 ) -> TableRepairResult:
     started = time.monotonic()
     key = source.key
@@ -220,39 +268,52 @@ def _repair_table(
     if state.resync_reason is None:
         return TableRepairResult(key, epoch=state.snapshot_epoch, resumed=True)  # another process finished it
     table = catalog.load_table(identifier)
-    if state.resync_epoch is not None and _repaired_in(table, state.resync_epoch):
+    if state.resync_epoch is not None and epoch_committed(table, REPAIR_EPOCH, state.resync_epoch):
         store.finish_resync(key, state.resync_epoch)  # written just before a crash
         return TableRepairResult(key, epoch=state.resync_epoch, seconds=time.monotonic() - started, resumed=True)
     result = TableRepairResult(key, epoch=snapshot.epoch)
     store.start_resync_copy(key, snapshot.epoch)
     # A column added at the source reaches Iceberg first (a schema-only commit: no row changes).
-    if evolve_schema(table, key, source.columns):
-        table = catalog.load_table(identifier)
+    try:
+        if evolve_schema(table, key, source.columns):
+            table = catalog.load_table(identifier)
+    except ResyncRequiredError as exc:
+        # A change no comparison can follow (a type Iceberg cannot evolve into, a generated column added):
+        # the table is copied again instead, by an online resync (merges keep waiting for it).
+        store.replace_resync_reason(key, exc.reason)
+        result.left_to_resync = exc.reason
+        return result
     differences = RowDifferences()
     with connect(config.source) as conn, imported_snapshot(conn, snapshot.name):
         diff = compare_table(conn, source, table, config.values.out_of_range, differences=differences)
     result.pg_rows, result.iceberg_rows = diff.pg_rows, diff.iceberg_rows
     result.upserted, result.deleted = differences.upserted, len(differences.delete_keys)
+    # The source files the comparison read (a partition truncated or a table rewritten while the slot was
+    # lost): recorded with the rows, or the next merge would find them changed and ask for a resync.
+    files = source_files_properties(source_files_seen_by(config.source, source, snapshot.name))
     crash_point("repair.before_commit")
-    result.snapshot_id = _write(table, differences, snapshot.epoch, key)
+    if spark is not None and merges_on_read(table):
+        result.snapshot_id = _write_through_spark(config, tables[key], spark, table, differences, files)
+    else:
+        result.snapshot_id = _write(table, differences, snapshot.epoch, key, files)
     crash_point("repair.after_commit")
     store.finish_resync(key, snapshot.epoch)
     result.seconds = time.monotonic() - started
     return result
 
 
-def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> int | None:
+def _write(table: Table, differences: RowDifferences, epoch: int, key: str, files: dict[str, str]) -> int | None:
     """Step 3: one commit deleting ``differences.delete_keys`` and appending ``differences.upserts``
-    (and forgetting DEFAULT fills: the rows written and compared hold their values). None when
-    nothing differs."""
+    (and recording what was compared, see :func:`_record_compared`). None when nothing differs (the
+    record alone is committed when it changed)."""
+    transaction = table.transaction()
     if not differences.delete_keys and not differences.upserted:
+        if _record_compared(table, transaction, files):
+            transaction.commit_transaction()
         return None
     properties = {REPAIR_EPOCH: str(epoch)}
     schema = table.schema()
-    transaction = table.transaction()
-    fills = pending_fills(table)
-    if fills:
-        transaction.set_properties(without_pending_fills(table, [fill.field_id for fill in fills]))
+    _record_compared(table, transaction, files)
     if differences.delete_keys:
         key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
         transaction.delete(key_filter(key_names, differences.delete_keys), snapshot_properties=properties)
@@ -267,6 +328,80 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str) -> i
         ) from None
     current = committed.current_snapshot()
     return current.snapshot_id if current else None
+
+
+def _record_compared(table: Table, transaction: Transaction, files: dict[str, str]) -> bool:
+    """Record in ``transaction`` what the rows written and compared are: the source ``files`` (table
+    properties) they were read from, and no pending DEFAULT fill (they hold their values). Whether
+    anything changed."""
+    properties = {name: value for name, value in files.items() if table.properties.get(name) != value}
+    fills = pending_fills(table)
+    if fills:
+        properties.update(without_pending_fills(table, [fill.field_id for fill in fills]))
+    if properties:
+        transaction.set_properties(properties)
+    return bool(properties)
+
+
+def merges_on_read(table: Table) -> bool:
+    """Whether the table's deletes are merge-on-read (position deletes): pyiceberg's delete would
+    rewrite the data files instead."""
+    properties = table.properties
+    return "merge-on-read" in (properties.get("write.delete.mode"), properties.get("write.merge.mode"))
+
+
+def _write_through_spark(
+    config: PipelineConfig,
+    mirrored: MirroredTable,
+    spark: SparkWriter,
+    table: Table,
+    differences: RowDifferences,
+    files: dict[str, str],
+) -> int | None:
+    """Step 3 for a merge-on-read table: the differing keys deleted (position deletes) and the source's
+    rows appended on the table's merge branch, then main fast-forwarded to it: one step for readers,
+    as a merge writes. (Spark's SQL cannot put the epoch in the summary: a crash before the repair is
+    recorded compares again under a newer snapshot, which finds nothing left to write but what
+    changed since.) None when nothing differs."""
+    # The record first (Spark's write cannot carry it): a crash in between leaves rows the next
+    # comparison finds different, where a fill left behind would overwrite the rows written with its default.
+    transaction = table.transaction()
+    if _record_compared(table, transaction, files):
+        table = transaction.commit_transaction()
+    if not differences.delete_keys and not differences.upserted:
+        return None
+    rows = _spark_rows(table, differences)
+    schema = table.schema()
+    key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
+    session = spark.session()
+    with spark_view(session, spark.objects, mirrored.staging, rows) as view:
+        write_on_branch(session, config.iceberg.catalog.name, mirrored.iceberg, table, key_names, view, False)
+    current = table.refresh().current_snapshot()
+    return current.snapshot_id if current else None
+
+
+def _spark_rows(table: Table, differences: RowDifferences) -> pa.Table:
+    """The repair's rows as the branch write takes them: the source's rows to upsert (op ``U``), then a
+    row per key only in Iceberg (op ``D``, its key set, NULL elsewhere)."""
+    schema = arrow_schema(table.schema())
+    # A key's values come in the order of the identifier fields (the source's primary key).
+    key_names = [table.schema().find_field(field_id).name for field_id in table.schema().identifier_field_ids]
+    parts = []
+    if differences.upserted:
+        upserts = _as_table_rows(table, pa.concat_tables(differences.upserts))
+        parts.append(upserts.append_column(OP_COLUMN, pa.array(["U"] * upserts.num_rows, pa.string())))
+    keys = differences.delete_only_keys
+    if keys:
+        columns = [
+            pa.array([key[key_names.index(target.name)] for key in keys], target.type)
+            if target.name in key_names
+            else pa.nulls(len(keys), target.type)
+            for target in schema
+        ]
+        parts.append(
+            pa.Table.from_arrays([*columns, pa.array(["D"] * len(keys), pa.string())], names=[*schema.names, OP_COLUMN])
+        )
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 def _as_table_rows(table: Table, rows: pa.Table) -> pa.Table:

@@ -15,7 +15,7 @@ from .coordination.store import CoordinationStore
 from .maintenance import Maintainer, MaintenanceResult
 from .materializer.merge import MergeResult
 from .metrics import PipelineMetrics
-from .pipeline import Pipeline, TableRepairResult
+from .pipeline import Pipeline, TableRepairResult, slot_safety
 
 log = logging.getLogger("pg2iceberg_dagster")
 
@@ -23,6 +23,8 @@ log = logging.getLogger("pg2iceberg_dagster")
 PROGRESS_SECONDS = 60.0
 # How often ``run`` looks for tables due for maintenance (a query, and one metadata read per merged table).
 UPKEEP_CHECK_SECONDS = 30.0
+# How often ``run`` reads its slot (one query): a WAL-budget reading, and a warning when it is in danger.
+SLOT_READING_SECONDS = 60.0
 
 
 def run(
@@ -74,6 +76,7 @@ def run(
     copies = _CopyWorker(pipeline.config)
     wait = interval if interval is not None else pipeline.config.materialize.interval_seconds
     progress = _Progress(pipeline.store, pipeline.config.materialize.group, on_progress)
+    slot_watch = _SlotWatch(pipeline)
     try:
         while not stop.is_set():
             staged.clear()  # a flush during the merge below sets it again: merge right after
@@ -82,20 +85,11 @@ def run(
             progress.after_merges(results)
             if upkeep is not None:
                 upkeep.after_merges(results)
+            slot_watch.read_when_due()
             copies.start_next(
                 any(r.waiting_for_snapshot for r in results.values()),
                 {key: r.resync_reason for key, r in results.items() if r.resync_reason},
             )
-            for result in results.values():
-                if result.batches:
-                    log.info(
-                        "merged %s: %d changes in %.2f s (%s), lag %d",
-                        result.table,
-                        result.changes,
-                        result.seconds,
-                        ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
-                        result.lag.changes,
-                    )
             merge_idle.set()
             _wait_for_either(stop, staged, wait)
             merge_idle.clear()
@@ -119,7 +113,17 @@ class _Progress:
         self.tables: set[str] = set()
 
     def after_merges(self, results: dict[str, MergeResult]) -> None:
+        """Log each merge, and give the line when :data:`PROGRESS_SECONDS` have passed."""
         for key, result in results.items():
+            if result.batches:
+                log.info(
+                    "merged %s: %d changes in %.2f s (%s), lag %d",
+                    result.table,
+                    result.changes,
+                    result.seconds,
+                    ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.timings.items()),
+                    result.lag.changes,
+                )
             if result.changes:
                 self.changes += result.changes
                 self.tables.add(key)
@@ -137,6 +141,31 @@ class _Progress:
             f"merged {self.changes:,} changes into {len(self.tables)} tables in the last {elapsed:.0f} s; {behind}"
         )
         self.since, self.changes, self.tables = time.monotonic(), 0, set()
+
+
+class _SlotWatch:
+    """``run``'s look at its slot every :data:`SLOT_READING_SECONDS`: a reading of the WAL budget (kept in
+    the coordination store, see wal_budget.py), so ``status``, the metrics and Dagster have the current
+    rate without a scrape, and a log line when the slot's safety changes (a warning before it loses WAL)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.next_reading = time.monotonic()
+        self.level = "ok"
+
+    def read_when_due(self) -> None:
+        if time.monotonic() < self.next_reading:
+            return
+        self.next_reading = time.monotonic() + SLOT_READING_SECONDS
+        try:
+            safety = slot_safety(self.pipeline.slot(), self.pipeline.config.replication)
+        except Exception:
+            # A reading is advice, not what keeps the mirror exact: the next one tries again.
+            log.warning("could not read replication slot %s", self.pipeline.config.replication.slot, exc_info=True)
+            return
+        if safety.level != self.level:
+            (log.info if safety.level == "ok" else log.warning)("replication slot: %s", safety.reason)
+            self.level = safety.level
 
 
 class _CopyWorker:
@@ -239,6 +268,9 @@ def _wait_for_either(stop: threading.Event, wake: threading.Event, timeout: floa
 
 
 def _log_repair(result: TableRepairResult) -> None:
+    if result.left_to_resync:
+        log.warning("%s left to an online resync: %s", result.table, result.left_to_resync)
+        return
     if result.resumed:
         log.warning("repair of %s was already written (epoch %s)", result.table, result.epoch)
         return

@@ -7,7 +7,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
@@ -61,10 +61,24 @@ class SlotInfo:
     inactive_seconds: float | None = None
     read_at: datetime | None = None
     wal_lsn: int | None = None
+    # Why the server invalidated the slot: PG17+ ``invalidation_reason`` (wal_removed, rows_removed,
+    # wal_level_insufficient, idle_timeout); on PG16, "conflicting with recovery" when ``conflicting``.
+    invalidated: str | None = None
     wal_write_bytes_per_second: float | None = None
     safe_wal_shrink_bytes_per_second: float | None = None
     seconds_until_lost: float | None = None
     failover: bool | None = None  # a failover slot (PostgreSQL 17+; None below)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the slot can no longer deliver every change (its WAL removed, or invalidated by the server
+        for another reason), as the refusal and the ``slot_safe`` check say it; None while usable."""
+        if self.wal_status == "lost":
+            because = f"; invalidation_reason {self.invalidated}" if self.invalidated else ""
+            return f"has lost required WAL (wal_status = lost{because})"
+        if self.invalidated:
+            return f"was invalidated by the server ({self.invalidated})"
+        return None
 
     @property
     def minutes_until_lost(self) -> float | None:
@@ -148,10 +162,22 @@ def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
         safe_wal_size_bytes=fields.get("safe_wal_size"),
         max_slot_wal_keep_size_bytes=int(max_keep) if max_keep is not None and max_keep >= 0 else None,
         inactive_seconds=inactive,
+        invalidated=_invalidation(fields),
         read_at=now,
         wal_lsn=parse_lsn(wal_lsn),
         failover=fields.get("failover"),
     )
+
+
+def _invalidation(fields: dict[str, Any]) -> str | None:
+    """Why the server invalidated the slot, from its ``pg_replication_slots`` row: PG17+ names the reason;
+    PG16 only says ``conflicting`` (a logical slot invalidated for conflicting with recovery); older
+    versions say neither (``wal_status`` lost is their only sign)."""
+    if reason := fields.get("invalidation_reason"):
+        return str(reason)
+    if fields.get("conflicting"):
+        return "conflicting = true: it conflicted with recovery"
+    return None
 
 
 def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafety:
@@ -168,10 +194,11 @@ def slot_safety(slot: SlotInfo | None, settings: ReplicationConfig) -> SlotSafet
     name = settings.slot
     if slot is None:
         return SlotSafety("error", f"replication slot {name} does not exist")
-    if slot.wal_status == "lost":
+    if lost := slot.lost:
         return SlotSafety(
             "error",
-            f"replication slot {name} has lost required WAL (wal_status lost): run cleanup --all and snapshot again",
+            f"replication slot {name} {lost}: `pg2iceberg-dagster repair` writes into each Iceberg table only its "
+            "differences from the source under a new slot",
         )
     if slot.wal_status == "unreserved":
         return SlotSafety(
@@ -387,8 +414,8 @@ def _slot_lost(slot: SlotInfo | None, slot_recorded: bool) -> str | None:
     """Why the slot the pipeline created cannot be resumed: gone, or its WAL removed; else None."""
     if slot is None and slot_recorded:
         return "is gone but the pipeline created it"
-    if slot is not None and slot_recorded and slot.wal_status == "lost":
-        return "has lost required WAL (wal_status = lost)"
+    if slot is not None and slot_recorded:
+        return slot.lost
     return None
 
 

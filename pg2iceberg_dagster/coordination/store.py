@@ -300,6 +300,13 @@ class CoordinationStore:
             (reason, table_name),
         )
 
+    def replace_resync_reason(self, table_name: str, reason: str) -> None:
+        """The table's pending resync is now for ``reason`` (a repair found it needs a full copy)."""
+        self.conn.execute(
+            "UPDATE _pg2iceberg.tables SET resync_reason = %s, resync_epoch = NULL WHERE table_name = %s",
+            (reason, table_name),
+        )
+
     def start_resync_copy(self, table_name: str, epoch: int) -> None:
         """The resync copies the table in ``epoch`` (a copy in an earlier epoch is abandoned)."""
         self.conn.execute("UPDATE _pg2iceberg.tables SET resync_epoch = %s WHERE table_name = %s", (epoch, table_name))

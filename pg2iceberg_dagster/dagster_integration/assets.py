@@ -154,12 +154,7 @@ def _content_check_result(report: TableCheckReport, key: Any) -> AssetCheckResul
     if diff is not None:
         metadata.update(
             {
-                "pg_rows": diff.pg_rows,
-                "iceberg_rows": diff.iceberg_rows,
-                "only_in_pg": diff.only_in_pg,
-                "only_in_iceberg": diff.only_in_iceberg,
-                "different": diff.different,
-                "duplicate_keys": diff.duplicate_keys,
+                **diff.counts(),
                 "differences_explained_by_later_changes": content.explained,
                 "unexplained_differences": content.unexplained,
                 "unexplained_examples": MetadataValue.json([list(map(str, k)) for k in content.unexplained_examples]),

@@ -18,6 +18,7 @@ from .assets import table_definitions
 from .jobs.cuts import cuts_job, cuts_schedule
 from .jobs.maintenance import maintenance_job
 from .jobs.merge import merge_job
+from .jobs.repair import repair_job
 from .jobs.resync import resync_job
 from .mirror import DEFAULT_NAME, Mirror
 from .resources import Pg2IcebergResource, SparkResource
@@ -25,6 +26,7 @@ from .sensors.automation import snapshot_automation_sensor
 from .sensors.flusher import flusher_sensor
 from .sensors.maintenance import maintenance_sensor
 from .sensors.merge import merge_sensor
+from .sensors.repair import repair_sensor
 from .sensors.resync import resync_sensor
 from .sensors.snapshot_planner import snapshot_planner_sensor
 from .slot import slot_check, slot_spec
@@ -57,10 +59,11 @@ def mirror_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> Defini
     maintenance = maintenance_job(mirror)
     cut = cuts_job(mirror)
     schedule = cuts_schedule(mirror, cut)
+    repair = repair_job(mirror)
     return Definitions(
         assets=[*specs, slot_spec(mirror), *assets],
         asset_checks=[slot_check(mirror)],
-        jobs=[merge, resync, maintenance, cut],
+        jobs=[merge, resync, maintenance, cut, repair],
         schedules=[schedule] if schedule is not None else [],
         sensors=[
             flusher_sensor(mirror),
@@ -69,6 +72,7 @@ def mirror_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> Defini
             snapshot_automation_sensor(mirror),
             resync_sensor(mirror, resync),
             maintenance_sensor(mirror, maintenance),
+            repair_sensor(mirror, repair),
         ],
         resources={mirror.resource_key: pg2iceberg, mirror.spark_resource_key: SparkResource(pg2iceberg=pg2iceberg)},
     )

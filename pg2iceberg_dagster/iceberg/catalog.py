@@ -169,3 +169,10 @@ def _location(config: PipelineConfig, identifier: tuple[str, str]) -> str | None
 def snapshot_summaries(table: Table) -> list[dict[str, Any]]:
     """Summary properties of every snapshot of ``table`` (oldest first)."""
     return [dict(snapshot.summary.additional_properties) if snapshot.summary else {} for snapshot in table.snapshots()]
+
+
+def epoch_committed(table: Table, epoch_property: str, epoch: int) -> bool:
+    """Whether the commit made for snapshot epoch ``epoch`` landed: a snapshot's summary names that epoch
+    under ``epoch_property`` (a resync's switch, a repair's write), so a crash between the commit and
+    recording it is recognised."""
+    return any(summary.get(epoch_property) == str(epoch) for summary in snapshot_summaries(table))

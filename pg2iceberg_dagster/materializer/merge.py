@@ -22,7 +22,6 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
@@ -54,23 +53,20 @@ from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
-from ..staging.store import ObjectStore, merge_batch_prefix
+from ..staging.store import ObjectStore
 from ..tables import MirroredTables
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
+from .branch import spark_view, write_on_branch
 from .commit_properties import snapshot_properties
 from .fold import UPSERT, fold
 from .lanes import LaneConnections, on_lanes
 from .spark_sql import (
     OP_COLUMN,
     UNCHANGED_COLUMN,
-    call_procedure,
-    delete_keys_statement,
     fill_statement,
-    insert_upserts_statement,
     merge_statement,
     spark_identifier,
-    spark_string,
 )
 from .toast_fill import fill_moved_keys
 from .vectorized import can_fold_vectorized, fold_vectorized, typed_column
@@ -174,11 +170,6 @@ log = logging.getLogger(__name__)
 # completely: the source LSN (as PostgreSQL writes it) the table is then complete up to, every change
 # of a transaction committed at or before it applied and none after (see docs/cuts.md).
 SOURCE_LSN = "pg2iceberg.source-lsn"
-
-# The Iceberg branch a batch is written on before main is fast-forwarded to it (see
-# Materializer._write_on_branch); how many times a batch is written again when main moved meanwhile.
-MERGE_BRANCH = "pg2iceberg_merge"
-FAST_FORWARD_ATTEMPTS = 4
 
 # The live columns of a table (name, type, default, position): any DDL the schema follows changes it.
 _COLUMNS_SIGNATURE = """
@@ -531,7 +522,16 @@ class Materializer:
         with timed_phase(timings, "spark_merge"):
             if prepared.rows.num_rows and self._upserts_on_branch(prepared):
                 with self._spark_view(spark, table_key, prepared.rows) as view:
-                    self._write_on_branch(spark, prepared, view, properties)
+                    write_on_branch(
+                        spark,
+                        self.config.iceberg.catalog.name,
+                        prepared.identifier,
+                        prepared.table,
+                        prepared.key,
+                        view,
+                        prepared.truncated,
+                        properties,
+                    )
             else:
                 # Only the batch's last commit is complete up to ``complete_lsn``.
                 with snapshot_properties(spark, properties if not prepared.rows.num_rows else {}):
@@ -556,19 +556,9 @@ class Materializer:
         result.last_lsn = last.flushable_lsn
         result.snapshot_id = snapshot.snapshot_id if snapshot else None
 
-    @contextlib.contextmanager
-    def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> Iterator[str]:
-        """``rows`` as a Spark temporary view (staged as a Parquet file Spark reads back: executors
-        need not reach the driver's memory)."""
-        batch_key = f"{merge_batch_prefix(self.tables[table_key].staging)}{uuid.uuid4().hex}.parquet"
-        self.object_store.put(batch_key, _parquet_bytes(rows))
-        try:
-            view = f"pg2iceberg_batch_{threading.get_ident()}"
-            spark.read.parquet(self.object_store.uri(batch_key)).createOrReplaceTempView(view)
-            yield view
-            spark.catalog.dropTempView(view)
-        finally:
-            self.object_store.delete(batch_key)
+    def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> contextlib.AbstractContextManager[str]:
+        """``rows`` as a Spark temporary view (see :func:`.branch.spark_view`)."""
+        return spark_view(spark, self.object_store, self.tables[table_key].staging, rows)
 
     def _upserts_on_branch(self, prepared: PreparedBatch) -> bool:
         """Whether the batch is written as delete-by-key plus append on :data:`MERGE_BRANCH`: every
@@ -584,46 +574,6 @@ class Materializer:
             return False
         rows = int(snapshot.summary.additional_properties.get("total-records", 0))
         return rows >= self.config.materialize.branch_upsert_min_rows
-
-    def _write_on_branch(self, spark: Any, prepared: PreparedBatch, view: str, properties: dict[str, str]) -> None:
-        """Apply the batch on :data:`MERGE_BRANCH` (started at main's snapshot): delete its keys (or
-        every row, after a TRUNCATE), append its upserts; then fast-forward main to it, one commit,
-        so readers of main never see the keys deleted and not yet appended. Replaying a batch this
-        wrote is harmless (its keys are deleted and appended again). Another writer's commit to main
-        in between makes the fast-forward fail: the batch is written again from main's new snapshot."""
-        catalog = self.config.iceberg.catalog.name
-        table = spark_identifier(catalog, *prepared.identifier)
-        branch = spark_identifier(catalog, *prepared.identifier, f"branch_{MERGE_BRANCH}")
-        columns = [f.name for f in prepared.table.schema().fields]
-        refs = prepared.table.metadata.refs
-        # Main's snapshot as this batch was read, and the branch left there by the last fast-forward.
-        on_main = MERGE_BRANCH in refs and refs[MERGE_BRANCH].snapshot_id == refs["main"].snapshot_id
-        for attempt in range(1, FAST_FORWARD_ATTEMPTS + 1):
-            if not on_main:
-                spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH {spark_identifier(MERGE_BRANCH)}")
-            spark.sql(
-                f"DELETE FROM {branch}" if prepared.truncated else delete_keys_statement(branch, view, prepared.key)
-            )
-            with snapshot_properties(spark, properties):  # the append main is fast-forwarded to
-                spark.sql(insert_upserts_statement(branch, view, columns))
-            crash_point("materializer.before_fast_forward")
-            try:
-                call_procedure(
-                    spark,
-                    catalog,
-                    "fast_forward",
-                    {
-                        "table": spark_string(spark_identifier(*prepared.identifier)),
-                        "branch": spark_string("main"),
-                        "to": spark_string(MERGE_BRANCH),
-                    },
-                )
-                return
-            except Exception as exc:
-                if "not an ancestor" not in str(exc) or attempt == FAST_FORWARD_ATTEMPTS:
-                    raise
-                log.info("%s: main moved while a batch was written on its branch; writing it again", table)
-                on_main = False
 
     def _merge_rows(self, spark: Any, table_key: str, target: str, prepared: PreparedBatch) -> None:
         """MERGE the prepared rows into ``target``."""
@@ -802,9 +752,3 @@ def _refuse_unkeyed(table: TableConfig, relations: list[StagedRelation]) -> None
             f"{', '.join(unkeyed)}, so deletes and key changes staged since cannot be matched to their rows; run "
             f"ALTER TABLE {table.name} REPLICA IDENTITY DEFAULT (or FULL) first",
         )
-
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()

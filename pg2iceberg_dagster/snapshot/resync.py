@@ -30,7 +30,7 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io import FileIO
-from pyiceberg.table import Table, Transaction
+from pyiceberg.table import Transaction
 
 from ..config import PipelineConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, writer_lease_within
@@ -38,7 +38,7 @@ from ..coordination.records import Chunk
 from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError
 from ..faults import crash_point
-from ..iceberg.catalog import snapshot_summaries
+from ..iceberg.catalog import epoch_committed
 from ..iceberg.evolution import rebuild_schema
 from ..iceberg.layout import follow_layout
 from ..iceberg.types import arrow_schema
@@ -73,11 +73,6 @@ def request_resync(store: CoordinationStore, group: str, table_key: str, reason:
         store.request_resync(table_key, reason)
 
 
-def _switched_in(table: Table, epoch: int) -> bool:
-    """The switch commit of a copy read in ``epoch`` landed."""
-    return any(summary.get(RESYNC_EPOCH) == str(epoch) for summary in snapshot_summaries(table))
-
-
 def resync_table(
     config: PipelineConfig,
     mirrored: MirroredTable,
@@ -102,7 +97,7 @@ def resync_table(
     result = ResyncResult(key, reason=state.resync_reason or reason)
     identifier = mirrored.iceberg
     table = catalog.load_table(identifier)
-    if state.resync_epoch is not None and _switched_in(table, state.resync_epoch):
+    if state.resync_epoch is not None and epoch_committed(table, RESYNC_EPOCH, state.resync_epoch):
         store.finish_resync(key, state.resync_epoch)  # switched just before a crash
         result.epoch = state.resync_epoch
         return result

@@ -1,10 +1,11 @@
 """The mirror's sensors: the WAL flusher, CTID partition planning, snapshot automation, merges,
-resyncs, maintenance."""
+resyncs, repairs, maintenance."""
 
 from .automation import snapshot_automation_sensor
 from .flusher import flusher_sensor
 from .maintenance import maintenance_sensor
 from .merge import merge_sensor
+from .repair import repair_sensor
 from .resync import resync_sensor
 from .snapshot_planner import snapshot_planner_sensor
 
@@ -12,6 +13,7 @@ __all__ = [
     "flusher_sensor",
     "maintenance_sensor",
     "merge_sensor",
+    "repair_sensor",
     "resync_sensor",
     "snapshot_automation_sensor",
     "snapshot_planner_sensor",

@@ -49,3 +49,8 @@ def run_in_flight(context: SensorEvaluationContext, job_name: str, table_key: st
         limit=1,
     )
     return bool(runs)
+
+
+def job_in_flight(context: SensorEvaluationContext, job_name: str) -> bool:
+    """Whether a run of ``job_name`` (on any table) is queued or running."""
+    return bool(context.instance.get_runs(filters=RunsFilter(job_name=job_name, statuses=UNFINISHED), limit=1))

@@ -3,7 +3,8 @@ reports a materialization of each table's staged-log asset and the replication s
 check. (A live table with nothing to merge is kept fresh by a merge run with its checks, see
 ``sensors/merge.py``: a runless report here would hide its check results.) The CLI
 ``stream`` runs the same flusher as a long-lived process; only one can hold the slot, and the other
-is told so (skip, no crash loop).
+is told so (skip, no crash loop). A lost slot stops it (the slot's check errs) until the repair run
+the repair sensor launches has replaced the slot; ticks skip while that run is under way.
 
 The process that evaluates it (the code location server) also serves the pipeline's Prometheus
 metrics when ``metrics.port`` is set (``pg2iceberg_dagster/metrics.py``)."""
@@ -26,7 +27,7 @@ from pg2iceberg_dagster.pipeline import FlushTick, TableProgress, serve_metrics_
 from ..mirror import Mirror
 from ..resources import Pg2IcebergResource
 from ..slot import slot_check_evaluation, slot_observation
-from .base import mirror_sensor
+from .base import job_in_flight, mirror_sensor
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
 
@@ -66,6 +67,7 @@ def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> Sensor
     ``slot_safe`` check. It requests no runs, so Dagster shows every tick
     as skipped: its skip reason says what it did (``staged N changes of K tables up to LSN X``)."""
     tables = {table.key: table for table in mirror.tables}
+    repair_job = mirror.named("repair")
 
     @mirror_sensor(
         mirror,
@@ -76,6 +78,9 @@ def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> Sensor
         description="Streams the replication slot into the staged log in bounded ticks; observes the slot.",
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
+        if job_in_flight(context, repair_job):
+            # The repair replaces the slot and holds it while it compares: streaming resumes after it.
+            return SkipReason(f"waiting for the repair run ({repair_job}) to replace the replication slot")
         with pg2iceberg.pipeline() as pipeline:
             serve_metrics_once(pipeline.config)  # the first tick starts the endpoint, later ones pass
             try:
@@ -87,11 +92,14 @@ def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> Sensor
                 slot = pipeline.slot()
                 if slot_safety(slot, pipeline.config.replication).level != "error":
                     raise
-                context.log.error("flusher stopped: %s", exc)
+                stopped = f"flusher stopped: {exc}"
+                if pipeline.config.replication.on_slot_lost == "repair":
+                    stopped += f". The sensor {mirror.named('repair')} launches {repair_job}"
+                context.log.error(stopped)
                 observed = [slot_observation(mirror, slot)] if slot is not None else []
                 return SensorResult(
                     asset_events=[*observed, slot_check_evaluation(mirror, slot)],
-                    skip_reason=SkipReason(f"flusher stopped: {exc}"),
+                    skip_reason=SkipReason(stopped),
                 )
         if tick is None:
             return SkipReason("waiting for the snapshot to create the replication slot")

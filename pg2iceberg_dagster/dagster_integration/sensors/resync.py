@@ -30,7 +30,9 @@ def resync_sensor(mirror: Mirror, job: JobDefinition) -> SensorDefinition:
     )
     def _resync(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
         with pg2iceberg.pipeline() as pipeline:
-            pending = pipeline.resyncs_pending()
+            # A table waiting for a repair is the repair sensor's: a resync would copy all of it.
+            repairs = set(pipeline.repairs_pending())
+            pending = {key: reason for key, reason in pipeline.resyncs_pending().items() if key not in repairs}
         runs = []
         for table_key, reason in pending.items():
             if not run_in_flight(context, job.name, table_key):
