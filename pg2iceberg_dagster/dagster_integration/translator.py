@@ -46,6 +46,13 @@ MASK_DESCRIPTIONS = {
     "redact": "redact: a fixed string where the value is not NULL",
 }
 
+# How the change metadata columns show (lsn, committed_at, merged_at; docs/change_metadata.md).
+METADATA_DESCRIPTIONS = (
+    "LSN by which the transaction of the row's last change had committed (snapshot rows: the snapshot's LSN)",
+    "source commit time of the row's last change (NULL for rows as the snapshot copied them)",
+    "when the row's last change was merged into Iceberg (or the snapshot copied it)",
+)
+
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
@@ -238,6 +245,10 @@ class Pg2IcebergTranslator:
         policy = table.mask.get(column)
         if policy is not None:
             return f"masked ({MASK_DESCRIPTIONS[policy]}), by the client before staging"
+        metadata = self.config.change_metadata_for(table)
+        if metadata is not None and column in metadata.column_names():
+            roles = dict(zip(metadata.column_names(), METADATA_DESCRIPTIONS, strict=True))
+            return f"change metadata (not a source column): {roles[column]}"
         return "primary key" if in_key else None
 
     def policy_description(self, table: TableConfig) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from ..staging.codec import DELETE, TRUNCATE, Change, StagedRelation
 
@@ -29,6 +30,9 @@ class FoldedRow:
     fill_from_key: tuple[str | None, ...] | None = None
     # Typed values already looked up for unchanged columns (see materializer.merge).
     filled: dict[str, object] = field(default_factory=dict)
+    # The last change's commit LSN and source commit time (see staging.codec.COMMIT_LSN_COLUMN).
+    commit_lsn: int = 0
+    committed_at: datetime | None = None
 
 
 @dataclass
@@ -55,7 +59,9 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
             key = tuple(change.data[name] for name in primary_key)
             if change.op == DELETE:
                 last_delete = (change.lsn, key, result.rows.get(key))
-                result.rows[key] = FoldedRow(DELETE, dict(change.data), relation=relation)
+                result.rows[key] = FoldedRow(
+                    DELETE, dict(change.data), relation=relation, commit_lsn=change.commit_lsn, committed_at=change.ts
+                )
                 continue
             data = dict(change.data)
             # Columns of the Iceberg table that this change does not carry keep their current value.
@@ -78,6 +84,12 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
                     # Still unchanged since the row moved: the values live where the move's did.
                     fill_from_key = previous.fill_from_key
             result.rows[key] = FoldedRow(
-                UPSERT, data, frozenset(unchanged), relation, fill_from_key if unchanged else None
+                UPSERT,
+                data,
+                frozenset(unchanged),
+                relation,
+                fill_from_key if unchanged else None,
+                commit_lsn=change.commit_lsn,
+                committed_at=change.ts,
             )
     return result

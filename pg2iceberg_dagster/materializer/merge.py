@@ -31,6 +31,7 @@ from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_l
 from ..coordination.records import Lag, LogEntry, SnapshotEpoch, is_repair, resync_command
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
+from ..iceberg.change_metadata import MetadataColumns, ensure_metadata_columns, metadata_columns
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
@@ -53,11 +54,12 @@ from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
-from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
+from ..staging.codec import COMMIT_LSN_COLUMN, DELETE, StagedRelation, changes_of, commit_lsns_of, read_staged
 from ..staging.store import ObjectStore, merge_batch_prefix
 from ..tables import MirroredTables
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
+from .change_stamp import stamp_merged, without_fields
 from .fold import UPSERT, fold
 from .lanes import LaneConnections, on_lanes
 from .spark_sql import (
@@ -451,30 +453,49 @@ class Materializer:
                 # A changed partition_by/sort_by, or a partition column dropped at the source, before
                 # Spark writes: its files take the spec from here on.
                 schema_changes += apply_layout(table, table_key, self.tables[table_key].config, newest.columns)
+                table = self._with_metadata_columns(table_key, table, newest.columns)
             # Against the schema as evolved (a rename just applied takes the old name away).
             refuse_unidentified_columns(table, table_key, [relation.columns for relation, _ in staged])
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
             staged = align_batches(staged, table)
+            metadata = metadata_columns(table)
+            leave_out = metadata.names if metadata else ()
             if can_fold_vectorized(staged):
-                iceberg_arrow = arrow_schema(table.schema())
+                iceberg_arrow = without_fields(arrow_schema(table.schema()), leave_out)
                 spark_schema = spark_arrow_schema(iceberg_arrow)
                 fast = fold_vectorized(
                     staged, key, iceberg_arrow, spark_schema, spark_value, self.config.values.out_of_range
                 )
+                rows = stamp_merged(fast.rows, metadata, fast.commit_lsns, fast.committed_at)
                 return PreparedBatch(
-                    identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
+                    identifier, table, key, rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
                 )  # fmt: skip
             folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
         with timed_phase(timings, "arrow"):
-            rows = folded_arrow(folded, table, self.config.values.out_of_range)
+            rows = folded_arrow(folded, table, self.config.values.out_of_range, leave_out)
+            last = list(folded.rows.values())
+            rows = stamp_merged(
+                rows,
+                metadata,
+                pa.array([row.commit_lsn for row in last], pa.int64()),
+                pa.array([row.committed_at for row in last], pa.timestamp("us", tz="UTC")),
+            )
         deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
         unchanged = pc.any(pc.greater(pc.list_value_length(rows.column(UNCHANGED_COLUMN)), 0)).as_py()
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
             truncated=folded.truncated, has_unchanged=bool(unchanged), vectorized=False,
         )  # fmt: skip
+
+    def _with_metadata_columns(self, table_key: str, table: Table, columns: tuple[SourceColumn, ...]) -> Table:
+        """``table`` with the change metadata columns its configuration asks for (added when turned on
+        after the table was created)."""
+        wanted = self.config.change_metadata_for(self.tables[table_key].config)
+        if wanted is None:
+            return table
+        return ensure_metadata_columns(table, table_key, columns, MetadataColumns.of(wanted))
 
     def _apply_batch(
         self,
@@ -696,6 +717,8 @@ def staged_changes(
     visible = XidSnapshot.parse(epoch.snapshot) if epoch is not None else None
     for entry in entries:
         relation, changes = read_staged(objects.get(entry.path))
+        # The registration's LSN where the file does not record its commits: every change committed by then.
+        changes = changes.append_column(COMMIT_LSN_COLUMN, commit_lsns_of(changes, entry.flushable_lsn))
         # An entry may start before the cursor only if it was half applied; never the case as the
         # cursor always lands on an entry's end, but skip defensively by offset.
         changes = changes.slice(max(0, cursor - entry.start_offset))

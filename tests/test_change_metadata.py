@@ -1,0 +1,215 @@
+"""Change metadata columns (issue 32 part 3): every Iceberg row carries the commit LSN and source commit
+time of its last change and when it was merged. The values are compared, row by row, with what the
+source said to the test's own writer around each transaction (``pg_current_wal_insert_lsn()`` and
+``clock_timestamp()`` before and after its COMMIT), through the snapshot, both fold paths (plain
+changes, unchanged TOAST values), key changes, deletes, transactions committed in another order than
+they wrote, and a restart; ``verify`` and the checks compare source columns only."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+
+from pg2iceberg_dagster.config import parse_config
+from pg2iceberg_dagster.dagster_integration.assets import _table_schema
+from pg2iceberg_dagster.dagster_integration.mirror import Mirror
+from pg2iceberg_dagster.dagster_integration.translator import Pg2IcebergTranslator
+from pg2iceberg_dagster.errors import ConfigError, StartupCheckError
+
+from .conftest import SourceDb, assert_mirrored, sync
+
+pytestmark = pytest.mark.usefixtures("spark")
+
+KEY = "public.items"
+METADATA = ["_pg_lsn", "_pg_committed_at", "_pg_merged_at"]
+
+
+@dataclass
+class Commit:
+    """What the source said around one of the test's transactions, and the keys it left changed."""
+
+    lsn_before: int = 0
+    lsn_after: int = 0
+    time_before: datetime | None = None
+    time_after: datetime | None = None
+    keys: set[int] = field(default_factory=set)
+
+
+def _lsn(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+class Writer:
+    """Runs transactions on the source and remembers, per key, the last transaction that changed it
+    (``None`` for a deleted key)."""
+
+    def __init__(self, source: SourceDb) -> None:
+        self.source = source
+        self.last: dict[int, Commit | None] = {}
+
+    @contextlib.contextmanager
+    def transaction(self, keys: set[int], deleted: set[int] = frozenset()) -> Iterator[psycopg.Connection]:  # type: ignore[assignment]
+        """One transaction changing ``keys`` (and deleting ``deleted``); its statements run in the block."""
+        commit = Commit(keys=keys)
+        with psycopg.connect(self.source.conninfo, autocommit=True) as conn:
+            commit.lsn_before = _lsn(conn)
+            conn.execute("BEGIN")
+            yield conn
+            commit.time_before = _now(conn)
+            conn.execute("COMMIT")
+            commit.lsn_after, commit.time_after = _lsn(conn), _now(conn)
+        self.last.update(dict.fromkeys(keys, commit))
+        self.last.update(dict.fromkeys(deleted, None))
+
+
+def _create(source: SourceDb) -> None:
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, name text, body text)")
+    # body: incompressible and large on every 4th row, so an UPDATE not touching it sends it as unchanged.
+    source.execute(
+        "INSERT INTO public.items SELECT g, 'n' || g, CASE WHEN g % 4 = 0 THEN (SELECT string_agg(md5(random()::text "
+        "|| g || s), '') FROM generate_series(1, 300) s) END FROM generate_series(1, 60) g"
+    )
+    source.execute("CREATE TABLE public.plain (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.plain VALUES (1, 'a')")
+
+
+def _config(source: SourceDb) -> Any:
+    return source.config([KEY, {"name": "public.plain", "change_metadata": False}], change_metadata={"enabled": True})
+
+
+def _metadata_rows(pipeline: Any, source: SourceDb) -> dict[int, dict[str, Any]]:
+    table = pipeline.catalog.load_table((f"{source.name}_public", "items"))
+    assert list(table.schema().column_names[-3:]) == METADATA
+    return {row["id"]: row for row in table.scan().to_arrow().to_pylist()}
+
+
+def _assert_metadata(pipeline: Any, source: SourceDb, writer: Writer, snapshot: Commit) -> None:
+    """Each row's metadata equals what the source said of its last change (or of the snapshot)."""
+    rows = _metadata_rows(pipeline, source)
+    live = {key for (key,) in source.execute("SELECT id FROM public.items")}
+    assert set(rows) == live
+    now = datetime.now(UTC)
+    snapshot_lsns = set()
+    for key, row in rows.items():
+        commit = writer.last.get(key)
+        if commit is None:  # as the snapshot copied it
+            assert snapshot.lsn_before <= row["_pg_lsn"] <= snapshot.lsn_after, key
+            assert row["_pg_committed_at"] is None, key
+            assert snapshot.time_before is not None and snapshot.time_after is not None
+            assert snapshot.time_before <= row["_pg_merged_at"] <= snapshot.time_after, key
+            snapshot_lsns.add(row["_pg_lsn"])
+            continue
+        assert commit.lsn_before < row["_pg_lsn"] <= commit.lsn_after, (key, row["_pg_lsn"], commit)
+        assert commit.time_before is not None and commit.time_after is not None
+        assert commit.time_before <= row["_pg_committed_at"] <= commit.time_after, key
+        assert commit.time_after <= row["_pg_merged_at"] <= now, key
+    assert len(snapshot_lsns) <= 1  # one snapshot LSN for every copied row
+
+
+def test_metadata_columns_carry_each_rows_last_commit_through_snapshot_stream_and_restart(source: SourceDb) -> None:
+    """Snapshot rows carry the snapshot's LSN and no commit time; merged rows (vectorized fold, TOAST
+    fold, key changes) their last transaction's commit LSN and time, in commit order even when
+    transactions commit in another order than they wrote; a table that opts out has no such columns;
+    verify, the checks and the Dagster column schema treat the columns as what they are."""
+    _create(source)
+    writer = Writer(source)
+    pipeline = source.pipeline(_config(source))
+    pipeline.validate()
+    snapshot = Commit()
+    with psycopg.connect(source.conninfo, autocommit=True) as conn:
+        snapshot.lsn_before, snapshot.time_before = _lsn(conn), _now(conn)
+    pipeline.snapshot()
+    with psycopg.connect(source.conninfo, autocommit=True) as conn:
+        snapshot.lsn_after, snapshot.time_after = _lsn(conn), _now(conn)
+    _assert_metadata(pipeline, source, writer, snapshot)
+    plain = pipeline.catalog.load_table((f"{source.name}_public", "plain"))
+    assert not set(METADATA) & set(plain.schema().column_names)
+
+    # Plain changes only: the vectorized fold.
+    with writer.transaction({1, 2, 100}) as conn:
+        conn.execute("UPDATE public.items SET name = 'first' WHERE id IN (1, 2)")
+        conn.execute("INSERT INTO public.items VALUES (100, 'new', NULL)")
+    with writer.transaction({2, 3}) as conn:
+        conn.execute("UPDATE public.items SET name = 'second' WHERE id IN (2, 3)")
+    sync(pipeline)
+    _assert_metadata(pipeline, source, writer, snapshot)
+
+    # Committed in the other order than written: the later commit has the larger LSN.
+    first = psycopg.connect(source.conninfo, autocommit=True)
+    with first:
+        early = Commit(keys={5}, lsn_before=_lsn(first))
+        first.execute("BEGIN")
+        first.execute("UPDATE public.items SET name = 'written first, committed last' WHERE id = 5")
+        with writer.transaction({6}) as conn:
+            conn.execute("UPDATE public.items SET name = 'written last, committed first' WHERE id = 6")
+        early.time_before = _now(first)
+        first.execute("COMMIT")
+        early.lsn_after, early.time_after = _lsn(first), _now(first)
+    writer.last[5] = early
+    # Unchanged TOAST values, a key change and deletes: the fold that fills unchanged columns.
+    with writer.transaction({8, 12, 16}) as conn:
+        conn.execute("UPDATE public.items SET name = 'toast kept' WHERE id IN (8, 12, 16)")
+    with writer.transaction({1020, 1021}, deleted={20, 21, 30}) as conn:
+        conn.execute("UPDATE public.items SET id = id + 1000 WHERE id IN (20, 21)")
+        conn.execute("DELETE FROM public.items WHERE id = 30")
+    sync(pipeline)
+    _assert_metadata(pipeline, source, writer, snapshot)
+    rows = _metadata_rows(pipeline, source)
+    assert rows[5]["_pg_lsn"] > rows[6]["_pg_lsn"]
+    assert rows[1020]["body"] is not None  # the TOASTed value followed the key
+    assert_mirrored(pipeline)
+    [(_, report)] = list(pipeline.check_tables([KEY]))
+    assert not isinstance(report, Exception) and report.schema_problems == [] and report.content.passed
+
+    # A restart: a new flusher and materializer keep stamping the same way.
+    restarted = source.pipeline(_config(source))
+    restarted.validate()
+    with writer.transaction({1, 40}) as conn:
+        conn.execute("UPDATE public.items SET name = 'after restart' WHERE id IN (1, 40)")
+    sync(restarted)
+    _assert_metadata(restarted, source, writer, snapshot)
+    assert_mirrored(restarted)
+
+    config = _config(source)
+    schema = _table_schema(Mirror(Pg2IcebergTranslator(config)), config.tables[0], restarted.iceberg_summary(KEY))
+    described = {column.name: column.description or "" for column in schema.columns}
+    assert list(described) == ["id", "name", "body", *METADATA]
+    assert all(described[name].startswith("change metadata (not a source column)") for name in METADATA)
+
+
+def test_a_source_column_named_like_a_metadata_column_is_refused_before_anything_is_written(source: SourceDb) -> None:
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, _pg_lsn text)")
+    pipeline = source.pipeline(source.config([KEY], change_metadata={"enabled": True}))
+    with pytest.raises(StartupCheckError, match=r"public.items: source column _pg_lsn .*change metadata column"):
+        pipeline.validate()
+    # Other names take it.
+    renamed = source.config([KEY], change_metadata={"enabled": True, "lsn_column": "_mirror_lsn"})
+    source.pipeline(renamed).validate()
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"enabled": True, "lsn_column": "_pg_merged_at"}, "given to two change metadata columns"),
+        ({"merged_at_column": "_pg2iceberg_x"}, "the merge's own"),
+        ({"lsn_column": ""}, "lsn_column"),
+    ],
+)
+def test_bad_change_metadata_settings_name_the_field(section: dict[str, Any], message: str) -> None:
+    data = {"source": {"host": "h", "dbname": "d", "user": "u"}, "tables": [KEY], "change_metadata": section}
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)
