@@ -137,10 +137,13 @@ class ChangeMetadataConfig(_Strict):
     lsn_column: str = Field("_pg_lsn", min_length=1)
     committed_at_column: str = Field("_pg_committed_at", min_length=1)
     merged_at_column: str = Field("_pg_merged_at", min_length=1)
+    # The deletion columns of tables with ``deletes: soft`` (docs/change_metadata.md).
+    deleted_at_column: str = Field("_pg_deleted_at", min_length=1)
+    deleted_lsn_column: str = Field("_pg_deleted_lsn", min_length=1)
 
     @model_validator(mode="after")
     def _distinct_names(self) -> ChangeMetadataConfig:
-        names = self.column_names()
+        names = self.column_names() + self.deletion_column_names()
         repeated = repeated_columns(names)
         if repeated:
             raise ValueError(f"column name {repeated[0]} is given to two change metadata columns")
@@ -152,6 +155,10 @@ class ChangeMetadataConfig(_Strict):
     def column_names(self) -> list[str]:
         """The three columns' names (LSN, commit time, merge time)."""
         return [self.lsn_column, self.committed_at_column, self.merged_at_column]
+
+    def deletion_column_names(self) -> list[str]:
+        """The deletion columns' names (time, LSN) of tables with ``deletes: soft``."""
+        return [self.deleted_at_column, self.deleted_lsn_column]
 
 
 class TableConfig(_Strict):
@@ -175,6 +182,8 @@ class TableConfig(_Strict):
     where: str | None = Field(None, min_length=1)
     # Overrides change_metadata.enabled for this table (None: the pipeline's setting).
     change_metadata: bool | None = None
+    # soft: a row deleted at the source stays, marked by the deletion columns (change_metadata.deleted_*).
+    deletes: Literal["hard", "soft"] = "hard"
 
     @model_validator(mode="after")
     def _mask_rules(self) -> TableConfig:
@@ -565,6 +574,12 @@ class PipelineConfig(_Strict):
         """The change metadata columns ``table`` carries (None: none)."""
         enabled = self.change_metadata.enabled if table.change_metadata is None else table.change_metadata
         return self.change_metadata if enabled else None
+
+    def added_column_names(self, table: TableConfig) -> list[str]:
+        """The columns ``table``'s Iceberg table has beside the source's: change metadata, deletion."""
+        metadata = self.change_metadata_for(table)
+        names = metadata.column_names() if metadata else []
+        return names + (self.change_metadata.deletion_column_names() if table.deletes == "soft" else [])
 
     def freshness_windows(self) -> tuple[float | None, float] | None:
         """(warn, fail) seconds of the live tables' freshness policy (see :class:`DagsterConfig`), None

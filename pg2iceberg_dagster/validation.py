@@ -430,9 +430,7 @@ def _describe_tables(
                 iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
             except UnsupportedTypeError as exc:
                 raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
-            metadata = config.change_metadata_for(configured)
-            if metadata is not None:
-                refuse_metadata_name_clash(table.key, table.columns, metadata.column_names())
+            refuse_metadata_name_clash(table.key, table.columns, config.added_column_names(configured))
             problems = layout_problems(configured, table.columns)
             if problems:
                 raise StartupCheckError(f"{table.key}: " + "; ".join(problems))

@@ -213,3 +213,92 @@ def test_bad_change_metadata_settings_name_the_field(section: dict[str, Any], me
     data = {"source": {"host": "h", "dbname": "d", "user": "u"}, "tables": [KEY], "change_metadata": section}
     with pytest.raises(ConfigError, match=message):
         parse_config(data)
+
+
+def _soft_rows(pipeline: Any, source: SourceDb) -> dict[int, dict[str, Any]]:
+    table = pipeline.catalog.load_table((f"{source.name}_public", "orders"))
+    return {row["id"]: row for row in table.scan().to_arrow().to_pylist()}
+
+
+def _assert_soft(pipeline: Any, source: SourceDb, deleted: dict[int, Commit], notes: dict[int, str]) -> None:
+    """Live rows equal the source's (verify), and every key deleted at the source is still in Iceberg,
+    marked with its delete's commit time and LSN, with the values it had when deleted."""
+    assert_mirrored(pipeline)
+    rows = _soft_rows(pipeline, source)
+    live = {key for (key,) in source.execute("SELECT id FROM public.orders")}
+    assert not live & set(deleted)
+    assert set(rows) == live | set(deleted)
+    for key, row in rows.items():
+        commit = deleted.get(key)
+        if commit is None:
+            assert row["_pg_deleted_at"] is None and row["_pg_deleted_lsn"] is None, key
+            continue
+        assert commit.time_before is not None and commit.time_after is not None
+        assert commit.time_before <= row["_pg_deleted_at"] <= commit.time_after, key
+        assert commit.lsn_before < row["_pg_deleted_lsn"] <= commit.lsn_after, key
+        assert row["_pg_lsn"] == row["_pg_deleted_lsn"], key  # the delete is the row's last change
+        assert row["note"] == notes[key], key  # the values it had when deleted
+
+
+def test_soft_deletes_keep_rows_marked_through_deletes_key_changes_reinserts_and_truncate(source: SourceDb) -> None:
+    """``deletes: soft``: deleted rows (and the old keys of key changes) stay marked with the delete's
+    commit time and LSN; a re-insert revives a key; TRUNCATE marks every live row; verify compares
+    live rows only, and a restart goes on the same way."""
+    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, note text, body text)")
+    source.execute(
+        "INSERT INTO public.orders SELECT g, 'n' || g, CASE WHEN g % 4 = 0 THEN (SELECT string_agg(md5(random()::text "
+        "|| g || s), '') FROM generate_series(1, 300) s) END FROM generate_series(1, 40) g"
+    )
+    entry = {"name": "public.orders", "deletes": "soft", "change_metadata": True}
+    pipeline = source.pipeline(source.config([entry]))
+    pipeline.snapshot()
+    writer = Writer(source)
+    notes = {key: f"n{key}" for key in range(1, 41)}
+    deleted: dict[int, Commit] = {}
+
+    def mark(keys: set[int]) -> None:
+        deleted.update(dict.fromkeys(keys, writer.last[min(keys)]))
+
+    with writer.transaction({1, 2, 3, 4, 5}) as conn:
+        conn.execute("DELETE FROM public.orders WHERE id <= 5")
+    mark({1, 2, 3, 4, 5})
+    with writer.transaction({6, 7}) as conn:
+        conn.execute("UPDATE public.orders SET id = id + 100 WHERE id IN (6, 7)")  # old keys soft-deleted
+    mark({6, 7})
+    with writer.transaction({8}) as conn:
+        conn.execute("UPDATE public.orders SET note = 'toast kept' WHERE id = 8")  # body unchanged
+    notes[8] = "toast kept"
+    with writer.transaction({10}) as conn:
+        conn.execute("DELETE FROM public.orders WHERE id = 10")
+    with writer.transaction({10}) as conn:
+        conn.execute("INSERT INTO public.orders VALUES (10, 'back in the same batch', NULL)")
+    sync(pipeline)
+    _assert_soft(pipeline, source, deleted, notes)
+    assert _soft_rows(pipeline, source)[8]["body"] is not None  # the unchanged TOAST value stayed
+
+    with writer.transaction({3}) as conn:
+        conn.execute("INSERT INTO public.orders VALUES (3, 'revived', NULL)")
+    del deleted[3]
+    sync(pipeline)
+    _assert_soft(pipeline, source, deleted, notes)
+
+    restarted = source.pipeline(source.config([entry]))
+    restarted.validate()
+    live = {key for (key,) in source.execute("SELECT id FROM public.orders")}
+    notes |= {key: row["note"] for key, row in _soft_rows(restarted, source).items() if key in live}
+    with writer.transaction(live) as conn:
+        conn.execute("TRUNCATE public.orders")
+    mark(live)
+    with writer.transaction({1, 200}) as conn:
+        conn.execute("INSERT INTO public.orders VALUES (1, 'after truncate', NULL), (200, 'new', NULL)")
+    del deleted[1]
+    sync(restarted)
+    _assert_soft(restarted, source, deleted, notes)
+    [(_, report)] = list(restarted.check_tables(["public.orders"]))  # the Dagster checks: live rows only
+    assert not isinstance(report, Exception) and report.duplicate_keys == 0 and report.content.passed
+
+
+def test_a_bad_deletes_setting_names_the_field() -> None:
+    data = {"source": {"host": "h", "dbname": "d", "user": "u"}, "tables": [{"name": KEY, "deletes": "sometimes"}]}
+    with pytest.raises(ConfigError, match=r"tables\.0\.deletes"):
+        parse_config(data)

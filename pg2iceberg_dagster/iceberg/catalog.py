@@ -15,7 +15,7 @@ from ..config import PipelineConfig, secret_from_env
 from ..paths import path_segment
 from ..source.catalog import SourceTable
 from ..tables import MirroredTable
-from .change_metadata import MetadataColumns, ensure_metadata_columns
+from .change_metadata import ensure_configured_columns
 from .evolution import attnum_properties
 from .layout import initial_layout
 from .types import iceberg_schema
@@ -113,12 +113,9 @@ def open_catalog(config: PipelineConfig) -> Catalog:
 
 def ensure_table(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:
     """Load the mirror table, creating it (primary key as identifier fields, the configured partition
-    spec and sort order) when missing, with the change metadata columns the table is configured with."""
+    spec and sort order) when missing, with the change metadata and deletion columns the table is configured with."""
     table = _load_or_create(catalog, config, mirrored, source)
-    wanted = config.change_metadata_for(mirrored.config)
-    if wanted is None:
-        return table
-    return ensure_metadata_columns(table, mirrored.key, source.columns, MetadataColumns.of(wanted))
+    return ensure_configured_columns(table, config, mirrored.config, source.columns)
 
 
 def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:

@@ -38,6 +38,9 @@ class FoldedRow:
 @dataclass
 class FoldResult:
     truncated: bool = False
+    # The last TRUNCATE's commit LSN and commit time (a soft-deleting table marks its rows with them).
+    truncated_lsn: int = 0
+    truncated_at: datetime | None = None
     rows: dict[tuple[str | None, ...], FoldedRow] = field(default_factory=dict)
     changes: int = 0
     relations: list[StagedRelation] = field(default_factory=list)
@@ -55,6 +58,7 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
             if change.op == TRUNCATE:
                 result.rows.clear()
                 result.truncated = True
+                result.truncated_lsn, result.truncated_at = change.commit_lsn, change.ts
                 continue
             key = tuple(change.data[name] for name in primary_key)
             if change.op == DELETE:

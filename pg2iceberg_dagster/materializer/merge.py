@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -31,7 +32,7 @@ from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_l
 from ..coordination.records import Lag, LogEntry, SnapshotEpoch, is_repair, resync_command
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
-from ..iceberg.change_metadata import MetadataColumns, ensure_metadata_columns, metadata_columns
+from ..iceberg.change_metadata import deletion_columns, ensure_configured_columns, metadata_columns, metadata_names
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
@@ -70,6 +71,7 @@ from .spark_sql import (
     fill_statement,
     insert_upserts_statement,
     merge_statement,
+    soft_delete_all_statement,
     spark_identifier,
     spark_string,
 )
@@ -167,6 +169,9 @@ class PreparedBatch:
     has_unchanged: bool
     # Folded by Arrow compute (see materializer.vectorized) rather than change by change.
     vectorized: bool
+    # The last TRUNCATE's commit LSN and time (see fold.FoldResult).
+    truncated_lsn: int = 0
+    truncated_at: datetime | None = None
 
 
 log = logging.getLogger(__name__)
@@ -453,20 +458,20 @@ class Materializer:
                 # A changed partition_by/sort_by, or a partition column dropped at the source, before
                 # Spark writes: its files take the spec from here on.
                 schema_changes += apply_layout(table, table_key, self.tables[table_key].config, newest.columns)
-                table = self._with_metadata_columns(table_key, table, newest.columns)
+                table = ensure_configured_columns(table, self.config, self.tables[table_key].config, newest.columns)
             # Against the schema as evolved (a rename just applied takes the old name away).
             refuse_unidentified_columns(table, table_key, [relation.columns for relation, _ in staged])
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
             staged = align_batches(staged, table)
-            metadata = metadata_columns(table)
-            leave_out = metadata.names if metadata else ()
+            metadata, deletion = metadata_columns(table), deletion_columns(table)
+            leave_out = tuple(metadata_names(table))
             if can_fold_vectorized(staged):
                 iceberg_arrow = without_fields(arrow_schema(table.schema()), leave_out)
                 spark_schema = spark_arrow_schema(iceberg_arrow)
                 fast = fold_vectorized(
                     staged, key, iceberg_arrow, spark_schema, spark_value, self.config.values.out_of_range
                 )
-                rows = stamp_merged(fast.rows, metadata, fast.commit_lsns, fast.committed_at)
+                rows = stamp_merged(fast.rows, metadata, deletion, fast.commit_lsns, fast.committed_at)
                 return PreparedBatch(
                     identifier, table, key, rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
@@ -479,6 +484,7 @@ class Materializer:
             rows = stamp_merged(
                 rows,
                 metadata,
+                deletion,
                 pa.array([row.commit_lsn for row in last], pa.int64()),
                 pa.array([row.committed_at for row in last], pa.timestamp("us", tz="UTC")),
             )
@@ -487,15 +493,8 @@ class Materializer:
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
             truncated=folded.truncated, has_unchanged=bool(unchanged), vectorized=False,
+            truncated_lsn=folded.truncated_lsn, truncated_at=folded.truncated_at,
         )  # fmt: skip
-
-    def _with_metadata_columns(self, table_key: str, table: Table, columns: tuple[SourceColumn, ...]) -> Table:
-        """``table`` with the change metadata columns its configuration asks for (added when turned on
-        after the table was created)."""
-        wanted = self.config.change_metadata_for(self.tables[table_key].config)
-        if wanted is None:
-            return table
-        return ensure_metadata_columns(table, table_key, columns, MetadataColumns.of(wanted))
 
     def _apply_batch(
         self,
@@ -517,7 +516,7 @@ class Materializer:
                     self._write_on_branch(spark, prepared, view)
             else:
                 if prepared.truncated:
-                    spark.sql(f"DELETE FROM {target}")
+                    spark.sql(_truncate_statement(target, prepared))
                 if prepared.rows.num_rows:
                     self._merge_rows(spark, table_key, target, prepared)
         with timed_phase(timings, "commit"):
@@ -559,6 +558,8 @@ class Materializer:
         snapshot = prepared.table.current_snapshot()
         if prepared.has_unchanged or snapshot is None or snapshot.summary is None:
             return False
+        if deletion_columns(prepared.table) is not None:
+            return False  # a soft delete updates its row: the MERGE does that
         if prepared.table.properties.get("write.merge.mode") != "merge-on-read":
             # Copy-on-write rewrites every file a key lives in either way: the MERGE was as fast.
             return False
@@ -608,7 +609,14 @@ class Materializer:
         """MERGE the prepared rows into ``target``."""
         with self._spark_view(spark, table_key, prepared.rows) as view:
             columns = [f.name for f in prepared.table.schema().fields]
-            spark.sql(merge_statement(target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged))
+            soft = deletion_columns(prepared.table)
+            # A soft delete sets the deletion and change metadata columns of the row, nothing else.
+            soft_delete = [*soft.names, *metadata_names(prepared.table) - set(soft.names)] if soft else []
+            spark.sql(
+                merge_statement(
+                    target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged, soft_delete=soft_delete
+                )
+            )
 
     def _fill_pending(self, table_key: str, table: Table, timings: dict[str, float]) -> None:
         """Give every existing row the value of each column added with a DEFAULT since the last merge
@@ -783,6 +791,22 @@ def _refuse_unkeyed(table: TableConfig, relations: list[StagedRelation]) -> None
             f"{', '.join(unkeyed)}, so deletes and key changes staged since cannot be matched to their rows; run "
             f"ALTER TABLE {table.name} REPLICA IDENTITY DEFAULT (or FULL) first",
         )
+
+
+def _truncate_statement(target: str, prepared: PreparedBatch) -> str:
+    """Empty the table for a TRUNCATE; a soft-deleting table marks its live rows deleted instead, with
+    the TRUNCATE's commit time and LSN (and its change metadata, when it has them)."""
+    deletion = deletion_columns(prepared.table)
+    if deletion is None:
+        return f"DELETE FROM {target}"
+    at = prepared.truncated_at
+    committed = f"timestamp_micros({int(at.timestamp() * 1_000_000)})" if at is not None else "NULL"
+    values = {deletion.deleted_at: committed, deletion.deleted_lsn: str(prepared.truncated_lsn)}
+    metadata = metadata_columns(prepared.table)
+    if metadata is not None:
+        values |= {metadata.lsn: str(prepared.truncated_lsn), metadata.committed_at: committed}
+        values[metadata.merged_at] = "current_timestamp()"
+    return soft_delete_all_statement(target, values, deletion.deleted_at)
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
