@@ -302,3 +302,27 @@ def test_a_bad_deletes_setting_names_the_field() -> None:
     data = {"source": {"host": "h", "dbname": "d", "user": "u"}, "tables": [{"name": KEY, "deletes": "sometimes"}]}
     with pytest.raises(ConfigError, match=r"tables\.0\.deletes"):
         parse_config(data)
+
+
+def test_a_resync_stamps_its_copy_with_its_own_lsn_and_merges_go_on_stamping(source: SourceDb) -> None:
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, name text, body text)")
+    source.execute("INSERT INTO public.items SELECT g, 'n' || g, NULL FROM generate_series(1, 20) g")
+    pipeline = source.pipeline(source.config([{"name": KEY, "change_metadata": True}]))
+    pipeline.snapshot()
+    writer = Writer(source)
+    with writer.transaction({1}) as conn:
+        conn.execute("UPDATE public.items SET name = 'before the resync' WHERE id = 1")
+    sync(pipeline)
+    copy = Commit()
+    with psycopg.connect(source.conninfo, autocommit=True) as conn:
+        copy.lsn_before, copy.time_before = _lsn(conn), _now(conn)
+    pipeline.resync(KEY)
+    with psycopg.connect(source.conninfo, autocommit=True) as conn:
+        copy.lsn_after, copy.time_after = _lsn(conn), _now(conn)
+    writer.last.clear()  # every row is as the resync copied it
+    _assert_metadata(pipeline, source, writer, copy)
+    with writer.transaction({2}) as conn:
+        conn.execute("UPDATE public.items SET name = 'after the resync' WHERE id = 2")
+    sync(pipeline)
+    _assert_metadata(pipeline, source, writer, copy)
+    assert_mirrored(pipeline)
