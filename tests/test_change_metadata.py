@@ -196,9 +196,18 @@ def test_a_source_column_named_like_a_metadata_column_is_refused_before_anything
     pipeline = source.pipeline(source.config([KEY], change_metadata={"enabled": True}))
     with pytest.raises(StartupCheckError, match=r"public.items: source column _pg_lsn .*change metadata column"):
         pipeline.validate()
-    # Other names take it.
+    # Other names take it; a column of a metadata column's name added later stops the merge, saying why.
     renamed = source.config([KEY], change_metadata={"enabled": True, "lsn_column": "_mirror_lsn"})
-    source.pipeline(renamed).validate()
+    pipeline = source.pipeline(renamed)
+    pipeline.snapshot()
+    source.execute("ALTER TABLE public.items ADD COLUMN _pg_merged_at text")
+    source.execute("INSERT INTO public.items VALUES (1, 'x', 'y')")
+    pipeline.stream(until_caught_up=True)
+    with pytest.raises(StartupCheckError, match=r"source column _pg_merged_at .*RENAME COLUMN"):
+        pipeline.materialize()
+    table = pipeline.catalog.load_table((f"{source.name}_public", "items"))
+    assert table.schema().column_names == ["id", "_pg_lsn", "_mirror_lsn", "_pg_committed_at", "_pg_merged_at"]
+    assert table.scan().to_arrow().num_rows == 0  # nothing merged
 
 
 @pytest.mark.parametrize(
@@ -296,6 +305,12 @@ def test_soft_deletes_keep_rows_marked_through_deletes_key_changes_reinserts_and
     _assert_soft(restarted, source, deleted, notes)
     [(_, report)] = list(restarted.check_tables(["public.orders"]))  # the Dagster checks: live rows only
     assert not isinstance(report, Exception) and report.duplicate_keys == 0 and report.content.passed
+    config = source.config([entry])
+    summary = restarted.iceberg_summary("public.orders")
+    schema = _table_schema(Mirror(Pg2IcebergTranslator(config)), config.tables[0], summary)
+    described = {column.name: column.description or "" for column in schema.columns}
+    assert list(described) == ["id", "note", "body", *METADATA, "_pg_deleted_at", "_pg_deleted_lsn"]
+    assert described["_pg_deleted_at"].startswith("change metadata (not a source column): source commit time")
 
 
 def test_a_bad_deletes_setting_names_the_field() -> None:
