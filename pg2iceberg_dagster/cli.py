@@ -50,6 +50,8 @@ def cmd_validate(pipeline: Pipeline, args: argparse.Namespace) -> int:
     print(f"ok: PostgreSQL {report.server_version}, system_identifier {report.system_identifier}")
     print(f"    CTID chunking: {'on' if report.ctid_chunking else 'off (PostgreSQL < 14: one chunk per table)'}")
     print(f"    slot {pipeline.config.replication.slot}: {'exists' if report.slot else 'not created yet'}")
+    for warning in report.warnings:
+        print(f"    warning: {warning}")
     for key, table in report.tables.items():
         print(f"    {key}: {len(table.columns)} columns, primary key ({', '.join(table.primary_key)})")
         for line in describe_policy(table, report.server_version):
@@ -295,6 +297,21 @@ def cmd_status(pipeline: Pipeline, args: argparse.Namespace) -> int:
         )
         print(f"{t.table}: snapshot {snap}; {lag}{resync}{files}")
     _print_no_longer_configured(status["no_longer_configured"])
+    cut = status["latest_cut"]
+    if cut:
+        print(f"latest cut: {cut['name']} at source LSN {cut['lsn']}, {cut['taken_at']}, {len(cut['tables'])} tables")
+    return 0
+
+
+def cmd_cut(pipeline: Pipeline, args: argparse.Namespace) -> int:
+    cut = pipeline.cut(args.name, args.group)
+    if args.json:
+        print(json.dumps(cut.as_json(), indent=2))
+        return 0
+    print(f"cut {cut.name}: {len(cut.tables)} tables complete up to source LSN {format_lsn(cut.lsn)}")
+    for key in cut.tables:
+        print(f"    {key}: snapshot {cut.snapshots[key]}")
+    print(f"read it with: SELECT ... FROM <table> VERSION AS OF '{cut.name}'")
     return 0
 
 
@@ -359,6 +376,10 @@ COMMANDS = {
     "maintain": (cmd_maintain, "compact files, expire snapshots, delete orphan and applied staged files"),
     "verify": (cmd_verify, "compare PostgreSQL and Iceberg row by row (exit 5 on differences)"),
     "status": (cmd_status, "show slot, flushed LSN, snapshot progress and lag per table"),
+    "cut": (
+        cmd_cut,
+        "tag every table (or a cuts.groups group) complete up to one source LSN: a consistent cut (docs/cuts.md)",
+    ),
     "hold-snapshot": (
         cmd_hold_snapshot,
         "create the slot and keep its exported snapshot open for chunk runs in other processes",
@@ -369,6 +390,20 @@ COMMANDS = {
     ),
     "cleanup": (cmd_cleanup, "delete applied staged files, or reset a table or the whole pipeline"),
 }
+
+
+def _json_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _cut_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--name", help="the tag's name (default: cut-<UTC time>)")
+    command.add_argument("--group", help="only this group of cuts.groups (default: every mirrored table)")
+    _json_argument(command)
+
+
+# The arguments of the commands that have some, beyond those build_parser adds itself.
+_MORE_ARGUMENTS = {"status": _json_argument, "cut": _cut_arguments}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -433,8 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "--due", action="store_true", help="only tables due (interval passed, or files call for compaction)"
             )
             command.add_argument("--json", action="store_true", help="machine-readable output")
-        if name == "status":
-            command.add_argument("--json", action="store_true", help="machine-readable output")
+        if name in _MORE_ARGUMENTS:
+            _MORE_ARGUMENTS[name](command)
         if name == "cleanup":
             command.add_argument("--table", action="append", help="reset this table so it is snapshotted again")
             command.add_argument("--all", action="store_true", help="reset the whole pipeline")

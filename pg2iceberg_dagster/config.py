@@ -50,10 +50,17 @@ def secret_from_env(variable: str | None, what: str) -> str | None:
 
 
 class PostgresConnection(_Strict):
-    """How to reach one PostgreSQL database. The password comes from ``password_env``."""
+    """How to reach one PostgreSQL database. The password comes from ``password_env``.
+
+    ``host`` may list several servers (``a,b``), with one ``port`` for all or one per host (``5432,5433``):
+    libpq tries them in order, and ``target_session_attrs: read-write`` makes it pass over a standby, so
+    after a failover every connection finds the promoted primary."""
 
     host: str = "127.0.0.1"
-    port: int = Field(5432, ge=1, le=65535)
+    port: int | str = 5432
+    target_session_attrs: Literal["any", "read-write", "read-only", "primary", "standby", "prefer-standby"] | None = (
+        None
+    )
     dbname: str
     user: str = "postgres"
     password_env: str | None = None
@@ -62,6 +69,28 @@ class PostgresConnection(_Strict):
     sslmode: str | None = None
     connect_timeout: int = Field(10, ge=1)
     application_name: str = "pg2iceberg-dagster"
+
+    @field_validator("port")
+    @classmethod
+    def _port_numbers(cls, value: int | str) -> int | str:
+        ports = str(value).split(",")
+        if not all(port.strip().isdigit() and 1 <= int(port) <= 65535 for port in ports):
+            # The value is not echoed: a secret pasted into the wrong field must not reach a log.
+            raise ValueError("expected a port number (1-65535) or a comma-separated list of them (5432,5433)")
+        return int(value) if len(ports) == 1 else ",".join(port.strip() for port in ports)
+
+    @model_validator(mode="after")
+    def _ports_match_hosts(self) -> PostgresConnection:
+        ports, hosts = str(self.port).split(","), self.host.split(",")
+        if len(ports) > 1 and len(ports) != len(hosts):
+            raise ValueError(f"port lists {len(ports)} ports for {len(hosts)} hosts: give one port, or one per host")
+        return self
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """(host, port) of each server ``host`` lists, in order."""
+        hosts = [host.strip() for host in self.host.split(",")]
+        ports = [int(port) for port in str(self.port).split(",")]
+        return list(zip(hosts, ports * len(hosts) if len(ports) == 1 else ports, strict=True))
 
     def resolved_password(self) -> str | None:
         """The password: set programmatically, or read now from ``password_env``."""
@@ -84,12 +113,15 @@ class PostgresConnection(_Strict):
             params["password"] = password
         if self.sslmode:
             params["sslmode"] = self.sslmode
+        if self.target_session_attrs:
+            params["target_session_attrs"] = self.target_session_attrs
         params.update(overrides)
         return make_conninfo(**params)
 
     def describe(self) -> str:
         """A secret-free description for logs and errors."""
-        return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
+        servers = ",".join(f"{host}:{port}" for host, port in self.endpoints())
+        return f"postgresql://{self.user}@{servers}/{self.dbname}"
 
 
 def _partition_expression(value: str) -> str:
@@ -273,6 +305,9 @@ class ReplicationConfig(_Strict):
     # slot and write into each Iceberg table only its differences from the source (see repair.py);
     # ``refuse`` stops them, naming ``pg2iceberg-dagster repair`` as the way back.
     on_slot_lost: Literal["repair", "refuse"] = "repair"
+    # Create the slot as a failover slot, which standbys with sync_replication_slots keep in step so a
+    # promoted standby continues it (docs/operations.md): auto on PostgreSQL 17+, true refuses older.
+    failover_slot: Literal["auto"] | bool = "auto"
     # The slot's health (validation.slot_safety; Dagster's ``slot_safe`` check) warns when it can retain
     # less than this fraction of max_slot_wal_keep_size more WAL before losing some...
     slot_warn_safe_wal_fraction: float = Field(0.2, ge=0, le=1)
@@ -518,6 +553,42 @@ class DagsterConfig(_Strict):
     freshness_fail_seconds: float | None = Field(None, ge=60)
 
 
+class CutsConfig(_Strict):
+    """Consistent cuts (``cuts.py``, docs/cuts.md): every table of a group complete up to one source LSN
+    and tagged with one name. ``interval_minutes`` takes one on that schedule (Dagster's cut schedule;
+    unset: only ``cut`` on demand); the newest ``keep`` cuts stay, and of those only the ones younger
+    than ``max_age_hours`` (unset: no age limit). ``groups`` names sets of tables cut together
+    (``cut --group``); without one a cut takes every mirrored table."""
+
+    interval_minutes: float | None = Field(None, gt=0)
+    keep: int = Field(24, ge=1)
+    max_age_hours: float | None = Field(None, gt=0)
+    groups: dict[str, list[str]] = {}
+
+    @field_validator("interval_minutes")
+    @classmethod
+    def _cron_interval(cls, value: float | None) -> float | None:
+        # Dagster schedules are cron schedules: minutes dividing an hour, or whole hours dividing a day.
+        if value is None or (
+            value == int(value) and (60 % value == 0 if value < 60 else 1440 % value == 0 and value % 60 == 0)
+        ):
+            return value
+        raise ValueError(
+            f"{value:g} is neither a divisor of 60 nor a whole number of hours dividing 24: use e.g. 5, 15, 60 or 360"
+        )
+
+    @field_validator("groups")
+    @classmethod
+    def _group_tables(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for group, names in value.items():
+            if not names:
+                raise ValueError(f"group {group!r} lists no table")
+            for name in names:
+                if not _QUALIFIED_NAME.match(name):
+                    raise ValueError(f"group {group!r}: {name!r} is not schema.table")
+        return value
+
+
 class SchemaSelection(_Strict):
     """Every table of a schema whose name matches an ``include`` glob and no ``exclude`` glob
     (ordinary and partitioned tables, not partitions): ``{schema: app, exclude: ["tmp_*"]}`` in
@@ -551,6 +622,7 @@ class PipelineConfig(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     metrics: MetricsConfig = MetricsConfig()
     dagster: DagsterConfig = DagsterConfig()
+    cuts: CutsConfig = CutsConfig()
     change_metadata: ChangeMetadataConfig = ChangeMetadataConfig()
 
     @model_validator(mode="before")

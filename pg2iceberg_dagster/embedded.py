@@ -90,21 +90,25 @@ class EmbeddedPostgres:
             owner = pwd.getpwnam("postgres")
             os.chown(path, owner.pw_uid, owner.pw_gid)
 
-    def init(self) -> None:
-        """Create the cluster if it does not exist yet."""
-        if (self.data_dir / "PG_VERSION").exists():
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _prepare_root(self) -> None:
+        """Create the cluster's directory and socket directory, owned by the server's OS user, who must
+        also be able to traverse to them (and to binaries of its own): the server opens its
+        configuration files by absolute path."""
         for directory in (self.root, self.socket_dir):
             directory.mkdir(parents=True, exist_ok=True)
             self._chown(directory)
         if os.geteuid() == 0:
-            # postgres must be able to traverse to the data directory (and to binaries of its own).
             reached = [self.root, *([self.bin_dir] if self.bin_dir else [])]
             for parent in {parent for path in reached for parent in list(path.resolve().parents)[:-1]}:
                 mode = parent.stat().st_mode
                 if not mode & 0o001:
                     os.chmod(parent, mode | 0o001)
+
+    def init(self) -> None:
+        """Create the cluster if it does not exist yet."""
+        if (self.data_dir / "PG_VERSION").exists():
+            return
+        self._prepare_root()
         result = self._run_as_owner(
             [
                 self._bin("initdb"),
@@ -133,9 +137,7 @@ class EmbeddedPostgres:
             "shared_buffers": "256MB",
             "wal_sender_timeout": "60s",
         }
-        with open(self.data_dir / "postgresql.conf", "a", encoding="utf-8") as conf:
-            conf.write("\n# pg2iceberg-dagster embedded cluster\n")
-            conf.writelines(f"{key} = {value}\n" for key, value in settings.items())
+        self.configure(settings)
         with open(self.data_dir / "pg_hba.conf", "a", encoding="utf-8") as hba:
             hba.write("host replication all 127.0.0.1/32 trust\n")
 
@@ -180,18 +182,49 @@ class EmbeddedPostgres:
                     raise
                 time.sleep(0.2)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Fast shutdown by the postmaster's pid; waits until it has exited."""
+    def stop(self, timeout: float = 60.0, immediate: bool = False) -> None:
+        """Fast shutdown by the postmaster's pid (``immediate``: a crash, no checkpoint, nothing more
+        sent to standbys); waits until it has exited."""
         pid = self.pid()
         if pid is None:
             return
-        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGQUIT if immediate else signal.SIGINT)
         deadline = time.monotonic() + timeout
         while self.pid() is not None:
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGQUIT)
                 break
             time.sleep(0.1)
+
+    def configure(self, settings: dict[str, str]) -> None:
+        """Append ``settings`` (values as postgresql.conf writes them) to postgresql.conf; a running
+        server reads them on reload or restart."""
+        with open(self.data_dir / "postgresql.conf", "a", encoding="utf-8") as conf:
+            conf.writelines(f"{key} = {value}\n" for key, value in settings.items())
+
+    def start_standby_of(self, primary: EmbeddedPostgres, slot: str, settings: dict[str, str] | None = None) -> None:
+        """Make this cluster a streaming standby of ``primary`` (pg_basebackup -R through the physical
+        slot ``slot``, created now) and start it. Its primary_conninfo names a database, which the
+        slot sync worker of PostgreSQL 17+ needs; ``settings`` are added to its postgresql.conf."""
+        if (self.data_dir / "PG_VERSION").exists():
+            raise EmbeddedPostgresError(f"{self.data_dir} already holds a cluster")
+        self._prepare_root()
+        result = self._run_as_owner(
+            [self._bin("pg_basebackup"), "-D", str(self.data_dir), "-d", primary.conninfo(), "-R", "-C", "-S", slot]
+        )
+        if result.returncode != 0:
+            raise EmbeddedPostgresError(f"pg_basebackup failed: {result.stderr.strip()}")
+        # The copy carries the primary's port and socket directory: this one's come last and win.
+        self.configure({"port": str(self.port), "unix_socket_directories": f"'{self.socket_dir}'", **(settings or {})})
+        self.start()
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """End recovery on this standby (pg_ctl promote) and wait until it accepts writes."""
+        result = self._run_as_owner(
+            [self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", str(int(timeout)), "promote"]
+        )
+        if result.returncode != 0:
+            raise EmbeddedPostgresError(f"pg_ctl promote failed: {result.stderr.strip()}")
 
     def create_database(self, name: str) -> None:
         """Create ``name`` unless it exists."""

@@ -83,3 +83,7 @@ class VerifyMismatchError(Pg2IcebergError):
     """PostgreSQL and Iceberg differ."""
 
     exit_code = 5
+
+
+class CutError(Pg2IcebergError):
+    """A consistent cut cannot be taken (see docs/cuts.md): a table is not mergeable, a name is bad or taken."""

@@ -21,6 +21,7 @@ from .cleanup import CleanupResult, collect_garbage, remove_tables
 from .config import PipelineConfig, TableConfig
 from .coordination.records import Chunk, Lag, resync_command
 from .coordination.store import CoordinationStore
+from .cuts import Cut, latest_cut, take_cut
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
 from .iceberg.catalog import open_catalog
@@ -45,6 +46,7 @@ from .wal_budget import estimate_wal_budget
 __all__ = [
     "Chunk",
     "ContentCheck",
+    "Cut",
     "FlushTick",
     "IcebergTableSummary",
     "Lag",
@@ -503,6 +505,15 @@ class Pipeline:
         self.store.migrate()
         return sorted(key for key in self.store.table_states() if key not in self.tables)
 
+    def cut(self, name: str | None = None, group: str | None = None) -> Cut:
+        """Take a consistent cut of ``group``'s tables (all, without one): see cuts.py and docs/cuts.md."""
+        self.validate()
+        return take_cut(self.materializer(), self.store, self.catalog, self.config.cuts, name, group)
+
+    def latest_cut(self) -> Cut | None:
+        """The newest complete cut over the mirrored tables, None when there is none."""
+        return latest_cut(self.catalog, self.tables)
+
     def status(self) -> dict[str, Any]:
         """Replication and per-table progress, as plain data."""
         self.store.migrate()
@@ -547,4 +558,14 @@ class Pipeline:
             "snapshot_holder": {"epoch": held.epoch} if held else None,
             "tables": tables,
             "no_longer_configured": self.no_longer_configured(),
+            "latest_cut": _cut_json(self.latest_cut),
         }
+
+
+def _cut_json(read: Callable[[], Cut | None]) -> dict[str, Any] | None:
+    """The latest cut as ``status`` shows it; None when there is none, or its tables are not there yet."""
+    try:
+        cut = read()
+    except NoSuchTableError:
+        return None
+    return cut.as_json() if cut else None

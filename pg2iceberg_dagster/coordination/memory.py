@@ -191,6 +191,11 @@ class InMemoryCoordinationStore:
         with self._lock:
             return self._next_offset.get(table_name, 0)
 
+    def staged_positions(self, table_names: Sequence[str]) -> tuple[int | None, dict[str, int]]:
+        """``flushed_lsn`` and each table's log head, read together."""
+        with self._lock:
+            return self._flushed_lsn, {name: self._next_offset.get(name, 0) for name in table_names}
+
     def log_entries(self, table_name: str, from_offset: int, max_rows: int | None = None) -> list[LogEntry]:
         """Entries ending after ``from_offset`` in offset order, about ``max_rows`` changes (at least one)."""
         with self._lock:

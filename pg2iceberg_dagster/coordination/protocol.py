@@ -66,6 +66,11 @@ class StagedLogStore(Protocol):
         """The first offset of ``table_name`` not yet applied to Iceberg by ``group`` (0 at first)."""
         ...
 
+    def staged_positions(self, table_names: Sequence[str]) -> tuple[int | None, dict[str, int]]:
+        """``flushed_lsn`` and each table's log head, read together: the log up to these heads holds
+        exactly the changes of the transactions committed at or before that LSN."""
+        ...
+
     def log_entries(self, table_name: str, from_offset: int, max_rows: int | None = None) -> list[LogEntry]:
         """Entries ending after ``from_offset`` in offset order, about ``max_rows`` changes (at least one)."""
         ...

@@ -389,6 +389,19 @@ class CoordinationStore:
         ).fetchone()
         return int(row[0]) if row else 0
 
+    def staged_positions(self, table_names: Sequence[str]) -> tuple[int | None, dict[str, int]]:
+        """``flushed_lsn`` and each table's log head, read together in one statement (so one snapshot):
+        a flush registers its files and moves ``flushed_lsn`` in one transaction, so the log up to these
+        heads holds exactly the changes of the transactions committed at or before that LSN."""
+        row = self.conn.execute(
+            "SELECT (SELECT lsn::text FROM _pg2iceberg.flushed_lsn), "
+            "(SELECT coalesce(jsonb_object_agg(t.name, coalesce(s.next_offset, 0)), '{}'::jsonb) "
+            "FROM unnest(%s::text[]) AS t(name) LEFT JOIN _pg2iceberg.log_seq s ON s.table_name = t.name)",
+            (list(table_names),),
+        ).fetchone()
+        assert row is not None
+        return _lsn(row[0]), {name: int(head) for name, head in row[1].items()}
+
     def log_entries(self, table_name: str, from_offset: int, max_rows: int | None = None) -> list[LogEntry]:
         """Entries ending after ``from_offset`` in offset order, about ``max_rows`` changes (at least one)."""
         rows = self.conn.execute(

@@ -15,6 +15,7 @@ from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.pipeline import resolve_tables
 
 from .assets import table_definitions
+from .jobs.cuts import cuts_job, cuts_schedule
 from .jobs.maintenance import maintenance_job
 from .jobs.merge import merge_job
 from .jobs.resync import resync_job
@@ -54,10 +55,13 @@ def mirror_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> Defini
     merge = merge_job(mirror)
     resync = resync_job(mirror)
     maintenance = maintenance_job(mirror)
+    cut = cuts_job(mirror)
+    schedule = cuts_schedule(mirror, cut)
     return Definitions(
         assets=[*specs, slot_spec(mirror), *assets],
         asset_checks=[slot_check(mirror)],
-        jobs=[merge, resync, maintenance],
+        jobs=[merge, resync, maintenance, cut],
+        schedules=[schedule] if schedule is not None else [],
         sensors=[
             flusher_sensor(mirror),
             snapshot_planner_sensor(mirror),

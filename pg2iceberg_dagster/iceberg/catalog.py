@@ -11,7 +11,7 @@ from pyiceberg.table import Table
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
-from ..config import PipelineConfig, secret_from_env
+from ..config import PipelineConfig, PostgresConnection, secret_from_env
 from ..paths import path_segment
 from ..source.catalog import SourceTable
 from ..tables import MirroredTable
@@ -53,16 +53,16 @@ def catalog_properties(config: PipelineConfig) -> dict[str, str]:
     properties: dict[str, str] = {"type": catalog.type}
     if catalog.type == "sql":
         pg = config.catalog_connection
+        # Give up as the config says, as every other connection does, instead of hanging on a host
+        # that drops packets. Each server as a ``host`` parameter: SQLAlchemy hands libpq the list.
+        query: dict[str, str | list[str]] = {
+            "host": [f"{host}:{port}" for host, port in pg.endpoints()],
+            "connect_timeout": str(pg.connect_timeout),
+        }
+        if pg.target_session_attrs:
+            query["target_session_attrs"] = pg.target_session_attrs
         url = URL.create(
-            "postgresql+psycopg",
-            username=pg.user,
-            password=pg.resolved_password(),
-            host=pg.host,
-            port=pg.port,
-            database=pg.dbname,
-            # Give up as the config says, as every other connection does, instead of hanging on a
-            # host that drops packets.
-            query={"connect_timeout": str(pg.connect_timeout)},
+            "postgresql+psycopg", username=pg.user, password=pg.resolved_password(), database=pg.dbname, query=query
         )
         properties["uri"] = url.render_as_string(hide_password=False)
     return {**properties, **shared_catalog_properties(config)}
@@ -82,7 +82,7 @@ def spark_catalog_conf(config: PipelineConfig) -> dict[str, str]:
         properties.update(
             {
                 "type": "jdbc",
-                "uri": f"jdbc:postgresql://{pg.host}:{pg.port}/{pg.dbname}",
+                "uri": _jdbc_url(pg),
                 "jdbc.user": pg.user,
                 "jdbc.schema-version": "V1",
                 # A JDBC connection per concurrent merge (Iceberg's default pool holds 2).
@@ -98,6 +98,26 @@ def spark_catalog_conf(config: PipelineConfig) -> dict[str, str]:
         properties["catalog-impl"] = "org.apache.iceberg.aws.glue.GlueCatalog"
     properties.update(shared_catalog_properties(config))
     return {prefix: "org.apache.iceberg.spark.SparkCatalog", **{f"{prefix}.{k}": v for k, v in properties.items()}}
+
+
+# libpq's target_session_attrs in pgjdbc's words (targetServerType).
+_JDBC_SERVER_TYPES = {
+    "any": "any",
+    "read-write": "primary",
+    "primary": "primary",
+    "read-only": "secondary",
+    "standby": "secondary",
+    "prefer-standby": "preferSecondary",
+}
+
+
+def _jdbc_url(pg: PostgresConnection) -> str:
+    """The JDBC URL of ``pg``: every server it lists, and which kind to pick as libpq would."""
+    servers = ",".join(f"{host}:{port}" for host, port in pg.endpoints())
+    url = f"jdbc:postgresql://{servers}/{pg.dbname}"
+    if pg.target_session_attrs:
+        url += f"?targetServerType={_JDBC_SERVER_TYPES[pg.target_session_attrs]}"
+    return url
 
 
 def open_catalog(config: PipelineConfig) -> Catalog:

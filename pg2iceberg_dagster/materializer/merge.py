@@ -61,6 +61,7 @@ from ..tables import MirroredTables
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .change_stamp import stamp_merged, without_fields
+from .commit_properties import snapshot_properties
 from .fold import UPSERT, fold
 from .lanes import LaneConnections, on_lanes
 from .spark_sql import (
@@ -175,6 +176,11 @@ class PreparedBatch:
 
 
 log = logging.getLogger(__name__)
+
+# In the summary of a merge commit that brings the table up to a position the flusher had staged
+# completely: the source LSN (as PostgreSQL writes it) the table is then complete up to, every change
+# of a transaction committed at or before it applied and none after (see docs/cuts.md).
+SOURCE_LSN = "pg2iceberg.source-lsn"
 
 # The Iceberg branch a batch is written on before main is fast-forwarded to it (see
 # Materializer._write_on_branch); how many times a batch is written again when main moved meanwhile.
@@ -390,16 +396,44 @@ class Materializer:
     def _apply_rounds(self, table_key: str, rounds: int, max_batches: int | None, result: MergeResult) -> None:
         """Apply batches up to the head, ``rounds`` times (see :meth:`materialize_table`)."""
         for _ in range(rounds):
-            head = self.store.log_head(table_key)
-            while max_batches is None or result.batches < max_batches:
-                cursor = self.store.mat_cursor(self.group, table_key)
-                if cursor >= head:
-                    break
-                entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
-                if not entries:
-                    break
-                self._apply_batch(table_key, cursor, entries, result, self.replay_epoch(table_key))
-                result.batches += 1
+            flushed, heads = self.store.staged_positions([table_key])
+            self._apply_until(table_key, heads[table_key], flushed, max_batches, result)
+
+    def _apply_until(
+        self, table_key: str, head: int, flushed: int | None, max_batches: int | None, result: MergeResult
+    ) -> None:
+        """Apply batches up to offset ``head`` and never past it, ``head`` being the log head read
+        together with ``flushed_lsn`` = ``flushed``: the batch that reaches it leaves the table complete
+        up to ``flushed``, which its commit records (:data:`SOURCE_LSN`)."""
+        while max_batches is None or result.batches < max_batches:
+            cursor = self.store.mat_cursor(self.group, table_key)
+            if cursor >= head:
+                break
+            entries = self.store.log_entries(table_key, cursor, self.config.materialize.max_batch_changes)
+            # Entries from ``head`` on were registered by later flushes (a flush's files are atomic).
+            entries = [entry for entry in entries if entry.start_offset < head]
+            if not entries:
+                break
+            complete = flushed if entries[-1].end_offset == head else None
+            self._apply_batch(table_key, cursor, entries, result, self.replay_epoch(table_key), complete)
+            result.batches += 1
+
+    def merge_to(self, table_key: str, head: int, flushed: int) -> MergeResult:
+        """Apply the table's staged log up to offset ``head``, no further, where ``head`` was read
+        together with ``flushed_lsn`` = ``flushed`` (see StagedLogStore.staged_positions); the caller
+        holds the table's writer lease (a cut, see cuts.py). Like :meth:`materialize_table` otherwise,
+        except that it neither follows the source's columns nor its partitions as they are now: a cut
+        reads the table as of ``flushed``, not later."""
+        started = time.monotonic()
+        result = MergeResult(table=table_key, lag=self.store.lag(self.group, table_key))
+        if not self._mergeable(table_key, result):
+            return result
+        if result.lag.mat_cursor < head:
+            self._start_spark(table_key, result.timings)
+            self._apply_until(table_key, head, flushed, None, result)
+        result.lag = self.store.lag(self.group, table_key)
+        result.seconds = time.monotonic() - started
+        return result
 
     def _table_with_fills_left(self, table_key: str) -> Table | None:
         """The Iceberg table when a snapshot left defaults of added columns to fill, the first time
@@ -503,22 +537,29 @@ class Materializer:
         entries: list[LogEntry],
         result: MergeResult,
         replay_epoch: SnapshotEpoch | None,
+        complete_lsn: int | None = None,
     ) -> None:
+        """Merge ``entries`` and advance the cursor past them; ``complete_lsn``: the source LSN the
+        table is complete up to once they are merged (None: the batch stops inside a flush)."""
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
         prepared = _without_keyless_deletes(table_key, prepared)
         self._fill_pending(table_key, prepared.table, timings)
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
+        properties = {SOURCE_LSN: format_lsn(complete_lsn)} if complete_lsn is not None else {}
         with timed_phase(timings, "spark_merge"):
             if prepared.rows.num_rows and self._upserts_on_branch(prepared):
                 with self._spark_view(spark, table_key, prepared.rows) as view:
-                    self._write_on_branch(spark, prepared, view)
+                    self._write_on_branch(spark, prepared, view, properties)
             else:
-                if prepared.truncated:
-                    spark.sql(_truncate_statement(target, prepared))
+                # Only the batch's last commit is complete up to ``complete_lsn``.
+                with snapshot_properties(spark, properties if not prepared.rows.num_rows else {}):
+                    if prepared.truncated:
+                        spark.sql(_truncate_statement(target, prepared))
                 if prepared.rows.num_rows:
-                    self._merge_rows(spark, table_key, target, prepared)
+                    with snapshot_properties(spark, properties):
+                        self._merge_rows(spark, table_key, target, prepared)
         with timed_phase(timings, "commit"):
             table = self.catalog.load_table(prepared.identifier)
             snapshot = table.current_snapshot()
@@ -566,7 +607,7 @@ class Materializer:
         rows = int(snapshot.summary.additional_properties.get("total-records", 0))
         return rows >= self.config.materialize.branch_upsert_min_rows
 
-    def _write_on_branch(self, spark: Any, prepared: PreparedBatch, view: str) -> None:
+    def _write_on_branch(self, spark: Any, prepared: PreparedBatch, view: str, properties: dict[str, str]) -> None:
         """Apply the batch on :data:`MERGE_BRANCH` (started at main's snapshot): delete its keys (or
         every row, after a TRUNCATE), append its upserts; then fast-forward main to it, one commit,
         so readers of main never see the keys deleted and not yet appended. Replaying a batch this
@@ -585,7 +626,8 @@ class Materializer:
             spark.sql(
                 f"DELETE FROM {branch}" if prepared.truncated else delete_keys_statement(branch, view, prepared.key)
             )
-            spark.sql(insert_upserts_statement(branch, view, columns))
+            with snapshot_properties(spark, properties):  # the append main is fast-forwarded to
+                spark.sql(insert_upserts_statement(branch, view, columns))
             crash_point("materializer.before_fast_forward")
             try:
                 call_procedure(

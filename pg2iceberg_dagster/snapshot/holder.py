@@ -35,7 +35,7 @@ from ..errors import Pg2IcebergError, SnapshotGoneError, StartupCheckError
 from ..source.catalog import published_keys_seen_by
 from ..source.connection import connect
 from ..source.lsn import parse_lsn
-from ..source.replication import create_slot_with_snapshot, transactions_holding_slot_creation
+from ..source.replication import create_slot_with_snapshot, failover_wanted, transactions_holding_slot_creation
 from ..source.xid_snapshot import exported_snapshot_text
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class SnapshotHolder:
     def __init__(self, config: PipelineConfig, store: CoordinationStore, create_slot: bool) -> None:
         if create_slot:
             self._conn: psycopg.Connection = connect(config.source, replication=True)
-            created = create_slot_with_snapshot(self._conn, config.replication.slot)
+            failover = failover_wanted(config.replication.failover_slot, self._conn.info.server_version)
+            created = create_slot_with_snapshot(self._conn, config.replication.slot, failover)
             store.record_slot_created(created.consistent_point)
             name, lsn_bound = created.snapshot_name, created.consistent_point
         else:

@@ -11,7 +11,7 @@ import struct
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import NamedTuple, NoReturn
+from typing import Literal, NamedTuple, NoReturn
 
 import psycopg
 from psycopg import sql
@@ -32,15 +32,34 @@ class CreatedSlot:
     snapshot_name: str
 
 
-def create_slot_with_snapshot(conn: psycopg.Connection, slot: str) -> CreatedSlot:
-    """Create a pgoutput slot on a replication connection and export its snapshot.
+# Failover slots (``FAILOVER`` of CREATE_REPLICATION_SLOT): PostgreSQL 17 and later.
+MIN_FAILOVER_VERSION = 170000
+
+
+def failover_wanted(setting: bool | Literal["auto"], server_version: int) -> bool:
+    """Whether a new slot is created as a failover slot (``replication.failover_slot``): auto means
+    wherever the server can sync slots to standbys (17+); true on an older server is refused."""
+    if setting == "auto":
+        return server_version >= MIN_FAILOVER_VERSION
+    if setting and server_version < MIN_FAILOVER_VERSION:
+        raise StartupCheckError(
+            f"replication.failover_slot is true but the source runs PostgreSQL {server_version // 10000}: failover "
+            "slots need PostgreSQL 17 or later; set replication.failover_slot: auto (or false)"
+        )
+    return setting
+
+
+def create_slot_with_snapshot(conn: psycopg.Connection, slot: str, failover: bool = False) -> CreatedSlot:
+    """Create a pgoutput slot on a replication connection and export its snapshot; ``failover``
+    (PostgreSQL 17+) makes standbys that sync slots keep a copy a promotion can continue from.
 
     The caller must keep ``conn`` open and send nothing more on it while other sessions import the
     snapshot: its next command invalidates it.
     """
+    options = sql.SQL("SNAPSHOT 'export', FAILOVER true" if failover else "SNAPSHOT 'export'")
     try:
         row = conn.execute(
-            sql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')").format(sql.Identifier(slot))
+            sql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput ({})").format(sql.Identifier(slot), options)
         ).fetchone()
     except psycopg.errors.DuplicateObject:
         raise StartupCheckError(f"replication slot {slot} already exists") from None
