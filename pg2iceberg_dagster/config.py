@@ -134,6 +134,9 @@ def _sort_expression(value: str) -> str:
     return value
 
 
+# Columns the merge adds to its batches begin so (materializer/spark_sql.py): no metadata column may.
+RESERVED_COLUMN_PREFIX = "_pg2iceberg"
+
 MaskPolicy = Literal["hash", "null", "redact"]
 
 
@@ -157,6 +160,39 @@ class ColumnSelection(_Strict):
         return self
 
 
+class ChangeMetadataConfig(_Strict):
+    """Change metadata columns (docs/change_metadata.md): per row, the LSN and source commit time of its
+    last change and when it was merged. ``enabled`` turns them on for every table (a table's own
+    ``change_metadata: true/false`` overrides it); the names are the Iceberg columns'."""
+
+    enabled: bool = False
+    lsn_column: str = Field("_pg_lsn", min_length=1)
+    committed_at_column: str = Field("_pg_committed_at", min_length=1)
+    merged_at_column: str = Field("_pg_merged_at", min_length=1)
+    # The deletion columns of tables with ``deletes: soft`` (docs/change_metadata.md).
+    deleted_at_column: str = Field("_pg_deleted_at", min_length=1)
+    deleted_lsn_column: str = Field("_pg_deleted_lsn", min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> ChangeMetadataConfig:
+        names = self.column_names() + self.deletion_column_names()
+        repeated = repeated_columns(names)
+        if repeated:
+            raise ValueError(f"column name {repeated[0]} is given to two change metadata columns")
+        for name in names:
+            if name.startswith(RESERVED_COLUMN_PREFIX):
+                raise ValueError(f"column name {name}: names starting {RESERVED_COLUMN_PREFIX} are the merge's own")
+        return self
+
+    def column_names(self) -> list[str]:
+        """The three columns' names (LSN, commit time, merge time)."""
+        return [self.lsn_column, self.committed_at_column, self.merged_at_column]
+
+    def deletion_column_names(self) -> list[str]:
+        """The deletion columns' names (time, LSN) of tables with ``deletes: soft``."""
+        return [self.deleted_at_column, self.deleted_lsn_column]
+
+
 class TableConfig(_Strict):
     """One source table. ``primary_key`` overrides the declared key (for tables without one).
 
@@ -176,6 +212,10 @@ class TableConfig(_Strict):
     # The environment variable holding the secret key of ``hash`` masks (never in the file or logs).
     mask_key_env: str | None = None
     where: str | None = Field(None, min_length=1)
+    # Overrides change_metadata.enabled for this table (None: the pipeline's setting).
+    change_metadata: bool | None = None
+    # soft: a row deleted at the source stays, marked by the deletion columns (change_metadata.deleted_*).
+    deletes: Literal["hard", "soft"] = "hard"
 
     @model_validator(mode="after")
     def _mask_rules(self) -> TableConfig:
@@ -586,6 +626,7 @@ class PipelineConfig(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     dagster: DagsterConfig = DagsterConfig()
     cuts: CutsConfig = CutsConfig()
+    change_metadata: ChangeMetadataConfig = ChangeMetadataConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -603,6 +644,17 @@ class PipelineConfig(_Strict):
                     "schemas": [*data.get("schemas", []), *selections],
                 }
         return data
+
+    def change_metadata_for(self, table: TableConfig) -> ChangeMetadataConfig | None:
+        """The change metadata columns ``table`` carries (None: none)."""
+        enabled = self.change_metadata.enabled if table.change_metadata is None else table.change_metadata
+        return self.change_metadata if enabled else None
+
+    def added_column_names(self, table: TableConfig) -> list[str]:
+        """The columns ``table``'s Iceberg table has beside the source's: change metadata, deletion."""
+        metadata = self.change_metadata_for(table)
+        names = metadata.column_names() if metadata else []
+        return names + (self.change_metadata.deletion_column_names() if table.deletes == "soft" else [])
 
     def freshness_windows(self) -> tuple[float | None, float] | None:
         """(warn, fail) seconds of the live tables' freshness policy (see :class:`DagsterConfig`), None

@@ -17,6 +17,7 @@ from .coordination.records import SLOT_LOST_REASON, PipelineMeta, TableState
 from .coordination.store import CoordinationStore
 from .errors import SlotLostError, StartupCheckError, UnsupportedTypeError
 from .failover import failover_warnings
+from .iceberg.change_metadata import refuse_metadata_name_clash
 from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
@@ -490,6 +491,7 @@ def _describe_tables(
                 iceberg_schema(table.columns, table.primary_key)  # refuses unrepresentable types now
             except UnsupportedTypeError as exc:
                 raise UnsupportedTypeError(f"{table.key}: {exc}") from None  # which table, among many
+            refuse_metadata_name_clash(table.key, table.columns, config.added_column_names(configured))
             problems = layout_problems(configured, table.columns)
             if problems:
                 raise StartupCheckError(f"{table.key}: " + "; ".join(problems))

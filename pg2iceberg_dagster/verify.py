@@ -17,7 +17,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
 from pyiceberg.expressions import (
-    AlwaysTrue,
     And,
     BooleanExpression,
     EqualTo,
@@ -30,6 +29,7 @@ from pyiceberg.expressions import (
 from pyiceberg.table import Table
 
 from .config import OutOfRange
+from .iceberg.change_metadata import live_rows_filter
 from .iceberg.types import arrow_column, arrow_schema, iceberg_schema, text_loaders
 from .maintenance.health import summary_health
 from .source.catalog import TEXT_OID, SourceTable
@@ -431,7 +431,9 @@ def compare_table(
             table = table.append_column(added, pa.nulls(table.num_rows, added.type))
         return table.select(columns)
 
-    scan = iceberg_table.scan(row_filter=key_slice.row_filter() if key_slice else AlwaysTrue())
+    # Soft-deleted rows are not compared: a key soft-deleted in Iceberg and live at the source differs.
+    live = live_rows_filter(iceberg_table)
+    scan = iceberg_table.scan(row_filter=And(key_slice.row_filter(), live) if key_slice else live)
     diff = TableDiff(source.key)
     # A slice is sized to be compared at once; a whole table by the larger of the two sides.
     rows = 0 if key_slice else max(summary_health(iceberg_table).records, _source_rows_estimate(conn, source))

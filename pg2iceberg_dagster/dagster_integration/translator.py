@@ -46,6 +46,18 @@ MASK_DESCRIPTIONS = {
     "redact": "redact: a fixed string where the value is not NULL",
 }
 
+# How the change metadata columns show (lsn, committed_at, merged_at; docs/change_metadata.md).
+METADATA_DESCRIPTIONS = (
+    "LSN by which the transaction of the row's last change had committed (snapshot rows: the snapshot's LSN)",
+    "source commit time of the row's last change (NULL for rows as the snapshot copied them)",
+    "when the row's last change was merged into Iceberg (or the snapshot copied it)",
+)
+# How the deletion columns of a table with ``deletes: soft`` show (deleted_at, deleted_lsn).
+DELETION_DESCRIPTIONS = (
+    "source commit time of the row's DELETE (or TRUNCATE); NULL while the row is live",
+    "commit LSN of the row's DELETE (or TRUNCATE); NULL while the row is live",
+)
+
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
@@ -238,6 +250,11 @@ class Pg2IcebergTranslator:
         policy = table.mask.get(column)
         if policy is not None:
             return f"masked ({MASK_DESCRIPTIONS[policy]}), by the client before staging"
+        names = self.config.change_metadata
+        roles = dict(zip(names.column_names(), METADATA_DESCRIPTIONS, strict=True))
+        roles |= dict(zip(names.deletion_column_names(), DELETION_DESCRIPTIONS, strict=True))
+        if column in self.config.added_column_names(table):
+            return f"change metadata (not a source column): {roles[column]}"
         return "primary key" if in_key else None
 
     def policy_description(self, table: TableConfig) -> str:

@@ -20,7 +20,7 @@ import functools
 import itertools
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,17 +180,24 @@ class MessageBatch:
         """The relation OID of every message (row messages and TRUNCATE markers carry it after the tag)."""
         return self.int_at(pc.add(self.starts, 1), 4)
 
-    def encode(self, info: RelationInfo, rows: pa.Array, complete: CompleteRows | None = None) -> EncodedSegment:
+    def encode(
+        self,
+        info: RelationInfo,
+        rows: pa.Array,
+        complete: CompleteRows | None = None,
+        commit_lsns: Mapping[int, int] | None = None,
+    ) -> EncodedSegment:
         """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending); ``complete``
         adds the values the stream does not send (required for a table with generated columns or a row
-        filter, see :data:`CompleteRows`)."""
+        filter, see :data:`CompleteRows`); ``commit_lsns``: each transaction's commit LSN by xid."""
         columns = _Decoder(self, info, rows).columns()
         if info.generated is not None or info.table.row_filter:
             if complete is None:
                 raise ValueError(f"{info.table.key}: values to complete, and nothing to complete them")
             columns = complete(info, columns)
         lsns = pc.take(self.lsn, rows)
-        data = encode_columns(info.staged_relation, *columns)
+        op, lsn, ts, xid, unchanged, payload = columns
+        data = encode_columns(info.staged_relation, op, lsn, ts, xid, unchanged, payload, commit_lsns)
         return EncodedSegment(
             data=data,
             rows=len(columns[0]),

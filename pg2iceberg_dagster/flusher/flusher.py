@@ -226,7 +226,7 @@ class Flusher:
         if end_lsn <= run.stats.flushed_lsn:
             run.writer.discard()  # registered before a restart: already in the staged log
             return
-        run.writer.commit(run.commit_ts, run.xid)
+        run.writer.commit(run.commit_ts, run.xid, end_lsn)
         run.stats.transactions += 1
         run.pending_end_lsn = end_lsn
         now = time.monotonic()

@@ -99,6 +99,8 @@ class StagedWriter:
         self._messages: list[builtins.bytes | memoryview] = []  # whole WAL data messages, as read
         self._ts: list[int] = []  # of committed rows only: commit time, Unix microseconds
         self._xids: list[int] = []
+        # Each transaction's commit (end) LSN by xid, for the staged files' change metadata; kept to the flush.
+        self._commit_lsns: dict[int, int] = {}
         self._committed = 0  # rows at the head of the lists whose transaction committed
         self._committed_bytes = 0
         self._counted = 0  # messages whose size is in _open_bytes or _committed_bytes
@@ -162,8 +164,10 @@ class StagedWriter:
         self._counted = self._committed
         self._open_bytes = 0
 
-    def commit(self, ts: int, xid: int) -> None:
-        """The open transaction committed at ``ts`` (Unix microseconds) as ``xid``."""
+    def commit(self, ts: int, xid: int, end_lsn: int = 0) -> None:
+        """The open transaction committed at ``ts`` (Unix microseconds) as ``xid``, its commit record
+        ending at ``end_lsn``."""
+        self._commit_lsns[xid] = end_lsn
         if self._spill is None:
             self._count_open()
             count = len(self._messages) - self._committed
@@ -201,6 +205,7 @@ class StagedWriter:
     def reset(self) -> None:
         """After a flush registered :attr:`uploaded`."""
         self.uploaded = []
+        self._commit_lsns = {}
         self._uploaded_rows = 0
         self._uploaded_bytes = 0
 
@@ -247,7 +252,9 @@ class StagedWriter:
     def _encode(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> tuple[StagedFile, builtins.bytes]:
         """The staged file of ``rows`` of one table, and its bytes."""
         table = info.relation.table
-        encoded = batch.encode(info, rows, self._complete)
+        xids = pc.unique(pc.take(batch.xid, rows)).to_pylist()
+        commits = {xid: self._commit_lsns[xid] for xid in xids if xid in self._commit_lsns}
+        encoded = batch.encode(info, rows, self._complete, commits)
         key = staged_file_key(self._locations[table], encoded.last_lsn)
         staged = StagedFile(
             table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn, encoded.first_commit_us

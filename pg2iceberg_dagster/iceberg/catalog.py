@@ -15,6 +15,7 @@ from ..config import PipelineConfig, PostgresConnection, secret_from_env
 from ..paths import path_segment
 from ..source.catalog import SourceTable
 from ..tables import MirroredTable
+from .change_metadata import ensure_configured_columns
 from .evolution import attnum_properties
 from .layout import initial_layout
 from .types import iceberg_schema
@@ -132,7 +133,12 @@ def open_catalog(config: PipelineConfig) -> Catalog:
 
 def ensure_table(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:
     """Load the mirror table, creating it (primary key as identifier fields, the configured partition
-    spec and sort order) when missing."""
+    spec and sort order) when missing, with the change metadata and deletion columns the table is configured with."""
+    table = _load_or_create(catalog, config, mirrored, source)
+    return ensure_configured_columns(table, config, mirrored.config, source.columns)
+
+
+def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:
     identifier = mirrored.iceberg
     namespace = identifier[:1]
     try:

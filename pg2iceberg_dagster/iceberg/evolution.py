@@ -27,6 +27,7 @@ from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, Int
 
 from ..errors import ResyncRequiredError
 from ..source.catalog import SourceColumn, SourceFiles
+from .change_metadata import metadata_names, refuse_metadata_name_clash
 from .types import field_ids, iceberg_type
 
 
@@ -208,6 +209,7 @@ def _plan(
     """What evolves the schema to ``columns`` (read with the source at ``file_node``). A ``rebuild`` is
     for rows read again from the source: no older values to fill or refuse, an incompatible type
     replaces its field, and fields of columns gone from the source are deleted."""
+    refuse_metadata_name_clash(table_key, columns, sorted(metadata_names(table)))
     schema = table.schema()
     attnums = column_attnums(table)
     live = {column.attnum for column in columns if column.attnum is not None}
@@ -259,7 +261,8 @@ def _plan(
         # USING: values may have changed with no WAL change, and nothing tells which.
         _refuse_rewritten_type(table_key, retyped[0])
     if rebuild:
-        kept = matched | set(plan.replaced)
+        # Change metadata columns are no source columns: a rebuild keeps them (see iceberg.change_metadata).
+        kept = matched | set(plan.replaced) | {f.field_id for f in schema.fields if f.name in metadata_names(table)}
         plan.deleted = [f.field_id for f in schema.fields if f.field_id not in kept]
         plan.changes += [f"drop {schema.find_column_name(i)} (gone from the source)" for i in plan.deleted]
     return plan

@@ -3,7 +3,7 @@ can read), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN`` columns the MERGE sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -12,6 +12,7 @@ from pyiceberg.table import Table
 from ..config import OutOfRange
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
 from ..staging.codec import DELETE
+from .change_stamp import without_fields
 from .fold import FoldResult
 from .spark_sql import OP_COLUMN, UNCHANGED_COLUMN
 
@@ -45,10 +46,11 @@ def spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema(fields)
 
 
-def folded_arrow(folded: FoldResult, table: Table, rule: OutOfRange) -> pa.Table:
+def folded_arrow(folded: FoldResult, table: Table, rule: OutOfRange, leave_out: Sequence[str] = ()) -> pa.Table:
     """The folded rows as Arrow, typed like the Iceberg table (values it cannot hold mapped by
-    ``rule``), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN``."""
-    iceberg_arrow = arrow_schema(table.schema())
+    ``rule``), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN``; the columns ``leave_out`` names (no
+    source columns) are not among them."""
+    iceberg_arrow = without_fields(arrow_schema(table.schema()), leave_out)
     spark_schema = spark_arrow_schema(iceberg_arrow)
     columns = [field.name for field in iceberg_arrow]
     # Keyed by identity: hashing a relation (every column and type) once per row costs more than the fold.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from ..staging.codec import DELETE, TRUNCATE, Change, StagedRelation
 
@@ -29,11 +30,17 @@ class FoldedRow:
     fill_from_key: tuple[str | None, ...] | None = None
     # Typed values already looked up for unchanged columns (see materializer.merge).
     filled: dict[str, object] = field(default_factory=dict)
+    # The last change's commit LSN and source commit time (see staging.codec.COMMIT_LSN_COLUMN).
+    commit_lsn: int = 0
+    committed_at: datetime | None = None
 
 
 @dataclass
 class FoldResult:
     truncated: bool = False
+    # The last TRUNCATE's commit LSN and commit time (a soft-deleting table marks its rows with them).
+    truncated_lsn: int = 0
+    truncated_at: datetime | None = None
     rows: dict[tuple[str | None, ...], FoldedRow] = field(default_factory=dict)
     changes: int = 0
     relations: list[StagedRelation] = field(default_factory=list)
@@ -51,11 +58,14 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
             if change.op == TRUNCATE:
                 result.rows.clear()
                 result.truncated = True
+                result.truncated_lsn, result.truncated_at = change.commit_lsn, change.ts
                 continue
             key = tuple(change.data[name] for name in primary_key)
             if change.op == DELETE:
                 last_delete = (change.lsn, key, result.rows.get(key))
-                result.rows[key] = FoldedRow(DELETE, dict(change.data), relation=relation)
+                result.rows[key] = FoldedRow(
+                    DELETE, dict(change.data), relation=relation, commit_lsn=change.commit_lsn, committed_at=change.ts
+                )
                 continue
             data = dict(change.data)
             # Columns of the Iceberg table that this change does not carry keep their current value.
@@ -78,6 +88,12 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
                     # Still unchanged since the row moved: the values live where the move's did.
                     fill_from_key = previous.fill_from_key
             result.rows[key] = FoldedRow(
-                UPSERT, data, frozenset(unchanged), relation, fill_from_key if unchanged else None
+                UPSERT,
+                data,
+                frozenset(unchanged),
+                relation,
+                fill_from_key if unchanged else None,
+                commit_lsn=change.commit_lsn,
+                committed_at=change.ts,
             )
     return result

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -30,6 +31,7 @@ from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_l
 from ..coordination.records import Lag, LogEntry, SnapshotEpoch, is_repair, resync_command
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
+from ..iceberg.change_metadata import deletion_columns, ensure_configured_columns, metadata_columns, metadata_names
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
@@ -52,12 +54,13 @@ from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
-from ..staging.codec import DELETE, StagedRelation, changes_of, read_staged
+from ..staging.codec import COMMIT_LSN_COLUMN, DELETE, StagedRelation, changes_of, commit_lsns_of, read_staged
 from ..staging.store import ObjectStore
 from ..tables import MirroredTables
 from .align import align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .branch import spark_view, write_on_branch
+from .change_stamp import stamp_merged, without_fields
 from .commit_properties import snapshot_properties
 from .fold import UPSERT, fold
 from .lanes import LaneConnections, on_lanes
@@ -66,6 +69,7 @@ from .spark_sql import (
     UNCHANGED_COLUMN,
     fill_statement,
     merge_statement,
+    soft_delete_all_statement,
     spark_identifier,
 )
 from .toast_fill import fill_moved_keys
@@ -162,6 +166,9 @@ class PreparedBatch:
     has_unchanged: bool
     # Folded by Arrow compute (see materializer.vectorized) rather than change by change.
     vectorized: bool
+    # The last TRUNCATE's commit LSN and time (see fold.FoldResult).
+    truncated_lsn: int = 0
+    truncated_at: datetime | None = None
 
 
 log = logging.getLogger(__name__)
@@ -476,29 +483,42 @@ class Materializer:
                 # A changed partition_by/sort_by, or a partition column dropped at the source, before
                 # Spark writes: its files take the spec from here on.
                 schema_changes += apply_layout(table, table_key, self.tables[table_key].config, newest.columns)
+                table = ensure_configured_columns(table, self.config, self.tables[table_key].config, newest.columns)
             # Against the schema as evolved (a rename just applied takes the old name away).
             refuse_unidentified_columns(table, table_key, [relation.columns for relation, _ in staged])
             key = [table.schema().find_field(i).name for i in table.schema().identifier_field_ids]
             staged = align_batches(staged, table)
+            metadata, deletion = metadata_columns(table), deletion_columns(table)
+            leave_out = tuple(metadata_names(table))
             if can_fold_vectorized(staged):
-                iceberg_arrow = arrow_schema(table.schema())
+                iceberg_arrow = without_fields(arrow_schema(table.schema()), leave_out)
                 spark_schema = spark_arrow_schema(iceberg_arrow)
                 fast = fold_vectorized(
                     staged, key, iceberg_arrow, spark_schema, spark_value, self.config.values.out_of_range
                 )
+                rows = stamp_merged(fast.rows, metadata, deletion, fast.commit_lsns, fast.committed_at)
                 return PreparedBatch(
-                    identifier, table, key, fast.rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
+                    identifier, table, key, rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
                 )  # fmt: skip
             folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
         with timed_phase(timings, "arrow"):
-            rows = folded_arrow(folded, table, self.config.values.out_of_range)
+            rows = folded_arrow(folded, table, self.config.values.out_of_range, leave_out)
+            last = list(folded.rows.values())
+            rows = stamp_merged(
+                rows,
+                metadata,
+                deletion,
+                pa.array([row.commit_lsn for row in last], pa.int64()),
+                pa.array([row.committed_at for row in last], pa.timestamp("us", tz="UTC")),
+            )
         deletes = sum(1 for row in folded.rows.values() if row.op == DELETE)
         unchanged = pc.any(pc.greater(pc.list_value_length(rows.column(UNCHANGED_COLUMN)), 0)).as_py()
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
             truncated=folded.truncated, has_unchanged=bool(unchanged), vectorized=False,
+            truncated_lsn=folded.truncated_lsn, truncated_at=folded.truncated_at,
         )  # fmt: skip
 
     def _apply_batch(
@@ -536,7 +556,7 @@ class Materializer:
                 # Only the batch's last commit is complete up to ``complete_lsn``.
                 with snapshot_properties(spark, properties if not prepared.rows.num_rows else {}):
                     if prepared.truncated:
-                        spark.sql(f"DELETE FROM {target}")
+                        spark.sql(_truncate_statement(target, prepared))
                 if prepared.rows.num_rows:
                     with snapshot_properties(spark, properties):
                         self._merge_rows(spark, table_key, target, prepared)
@@ -569,6 +589,8 @@ class Materializer:
         snapshot = prepared.table.current_snapshot()
         if prepared.has_unchanged or snapshot is None or snapshot.summary is None:
             return False
+        if deletion_columns(prepared.table) is not None:
+            return False  # a soft delete updates its row: the MERGE does that
         if prepared.table.properties.get("write.merge.mode") != "merge-on-read":
             # Copy-on-write rewrites every file a key lives in either way: the MERGE was as fast.
             return False
@@ -579,7 +601,14 @@ class Materializer:
         """MERGE the prepared rows into ``target``."""
         with self._spark_view(spark, table_key, prepared.rows) as view:
             columns = [f.name for f in prepared.table.schema().fields]
-            spark.sql(merge_statement(target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged))
+            soft = deletion_columns(prepared.table)
+            # A soft delete sets the deletion and change metadata columns of the row, nothing else.
+            soft_delete = [*soft.names, *metadata_names(prepared.table) - set(soft.names)] if soft else []
+            spark.sql(
+                merge_statement(
+                    target, view, columns, prepared.key, keep_unchanged=prepared.has_unchanged, soft_delete=soft_delete
+                )
+            )
 
     def _fill_pending(self, table_key: str, table: Table, timings: dict[str, float]) -> None:
         """Give every existing row the value of each column added with a DEFAULT since the last merge
@@ -688,6 +717,8 @@ def staged_changes(
     visible = XidSnapshot.parse(epoch.snapshot) if epoch is not None else None
     for entry in entries:
         relation, changes = read_staged(objects.get(entry.path))
+        # The registration's LSN where the file does not record its commits: every change committed by then.
+        changes = changes.append_column(COMMIT_LSN_COLUMN, commit_lsns_of(changes, entry.flushable_lsn))
         # An entry may start before the cursor only if it was half applied; never the case as the
         # cursor always lands on an entry's end, but skip defensively by offset.
         changes = changes.slice(max(0, cursor - entry.start_offset))
@@ -752,3 +783,19 @@ def _refuse_unkeyed(table: TableConfig, relations: list[StagedRelation]) -> None
             f"{', '.join(unkeyed)}, so deletes and key changes staged since cannot be matched to their rows; run "
             f"ALTER TABLE {table.name} REPLICA IDENTITY DEFAULT (or FULL) first",
         )
+
+
+def _truncate_statement(target: str, prepared: PreparedBatch) -> str:
+    """Empty the table for a TRUNCATE; a soft-deleting table marks its live rows deleted instead, with
+    the TRUNCATE's commit time and LSN (and its change metadata, when it has them)."""
+    deletion = deletion_columns(prepared.table)
+    if deletion is None:
+        return f"DELETE FROM {target}"
+    at = prepared.truncated_at
+    committed = f"timestamp_micros({int(at.timestamp() * 1_000_000)})" if at is not None else "NULL"
+    values = {deletion.deleted_at: committed, deletion.deleted_lsn: str(prepared.truncated_lsn)}
+    metadata = metadata_columns(prepared.table)
+    if metadata is not None:
+        values |= {metadata.lsn: str(prepared.truncated_lsn), metadata.committed_at: committed}
+        values[metadata.merged_at] = "current_timestamp()"
+    return soft_delete_all_statement(target, values, deletion.deleted_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # The folded batch's own columns, beside the table's: named so that no ordinary column name meets them
@@ -26,12 +27,18 @@ def _keys_match(key: list[str]) -> str:
 
 
 def merge_statement(
-    target: str, source_view: str, columns: list[str], key: list[str], keep_unchanged: bool = True
+    target: str,
+    source_view: str,
+    columns: list[str],
+    key: list[str],
+    keep_unchanged: bool = True,
+    soft_delete: Sequence[str] = (),
 ) -> str:
     """MERGE INTO: delete, update (unchanged TOAST columns keep the target's value) or insert per key.
 
     ``keep_unchanged=False`` gives the plain statement (every column from the source), for a source
-    without unchanged columns.
+    without unchanged columns. With ``soft_delete`` (the deletion and change metadata columns), a
+    delete keeps the row and sets those columns from the source instead.
     """
     on = _keys_match(key)
     assignments = ", ".join(
@@ -47,12 +54,22 @@ def merge_statement(
     column_list = ", ".join(spark_identifier(c) for c in columns)
     values = ", ".join(f"s.{spark_identifier(c)}" for c in columns)
     update = f"WHEN MATCHED AND s.{OP_COLUMN} = 'U' THEN UPDATE SET {assignments} " if assignments else ""
+    delete = "DELETE"
+    if soft_delete:
+        delete = "UPDATE SET " + ", ".join(f"t.{spark_identifier(c)} = s.{spark_identifier(c)}" for c in soft_delete)
     return (
         f"MERGE INTO {target} t USING {source_view} s ON {on} "
-        f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
+        f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN {delete} "
         f"{update}"
         f"WHEN NOT MATCHED AND s.{OP_COLUMN} = 'U' THEN INSERT ({column_list}) VALUES ({values})"
     )
+
+
+def soft_delete_all_statement(target: str, values: dict[str, str], deleted_at: str) -> str:
+    """Mark every live row of ``target`` deleted: set ``values`` (column -> Spark SQL expression) where
+    ``deleted_at`` is NULL (a soft-deleting table's TRUNCATE)."""
+    assignments = ", ".join(f"{spark_identifier(c)} = {value}" for c, value in values.items())
+    return f"UPDATE {target} SET {assignments} WHERE {spark_identifier(deleted_at)} IS NULL"
 
 
 def fill_statement(target: str, source_view: str, columns: list[str]) -> str:

@@ -27,7 +27,7 @@ from ..errors import UnsupportedTypeError
 from ..iceberg.types import arrow_column, is_ruled, loader_oid, text_loaders
 from ..iceberg.values import conform_texts
 from ..source.catalog import TEXT_OID, SourceColumn
-from ..staging.codec import DELETE, TRUNCATE, StagedRelation
+from ..staging.codec import COMMIT_LSN_COLUMN, DELETE, TRUNCATE, StagedRelation
 from .fold import UPSERT
 from .spark_sql import OP_COLUMN, UNCHANGED_COLUMN
 
@@ -48,6 +48,9 @@ class VectorFold:
     upserts: int
     deletes: int
     has_unchanged: bool
+    # Per folded row, its last change's commit LSN and source commit time (change metadata).
+    commit_lsns: pa.Array
+    committed_at: pa.Array
 
 
 def can_fold_vectorized(batches: Sequence[tuple[StagedRelation, pa.Table]]) -> bool:
@@ -135,6 +138,10 @@ def fold_vectorized(
     last = last.take(pc.sort_indices(last))  # keep log order: deterministic output
     rows = parsed.take(last)
     is_delete = pc.equal(staged.column("_op").take(last), DELETE).combine_chunks()
+    if COMMIT_LSN_COLUMN in staged.column_names:
+        commit_lsns = staged.column(COMMIT_LSN_COLUMN).take(last).combine_chunks()
+    else:
+        commit_lsns = pa.repeat(pa.scalar(0, pa.int64()), len(last))
     deletes = pc.sum(is_delete).as_py() or 0
 
     by_name = {column.name: column for column in relation.columns}
@@ -165,4 +172,6 @@ def fold_vectorized(
         upserts=len(last) - deletes,
         deletes=deletes,
         has_unchanged=bool(missing) and len(last) > deletes,
+        commit_lsns=commit_lsns,
+        committed_at=staged.column("_ts").take(last).combine_chunks(),
     )

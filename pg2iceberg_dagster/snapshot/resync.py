@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import AlwaysTrue
@@ -39,9 +40,11 @@ from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError
 from ..faults import crash_point
 from ..iceberg.catalog import epoch_committed
+from ..iceberg.change_metadata import metadata_columns
 from ..iceberg.evolution import rebuild_schema
 from ..iceberg.layout import follow_layout
 from ..iceberg.types import arrow_schema
+from ..materializer.change_stamp import stamp_snapshot
 from ..source.catalog import SourceTable, source_files_seen_by
 from ..source.connection import connect
 from ..tables import MirroredTable
@@ -109,7 +112,13 @@ def resync_table(
         # The copy is written with the spec the switch commits: the configured one, on the new fields.
         changes += follow_layout(transaction, key, mirrored.config, source.columns)
         result.schema_changes = tuple(changes)
-        written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk)
+        lsn_bound = store.snapshot_epoch(result.epoch).lsn_bound
+        metadata = metadata_columns(table)
+
+        def stamp(rows: pa.Table) -> pa.Table:
+            return stamp_snapshot(rows, metadata, lsn_bound)  # as the first snapshot's rows
+
+        written = _copy(config, source, transaction, table.io, holder.advertised.name, on_chunk, stamp)
     crash_point("resync.before_switch")
     result.rows, result.chunks = sum(w.rows for w in written), len(written)
     result.snapshot_id = _switch(transaction, written, result.epoch, key)
@@ -126,9 +135,10 @@ def _copy(
     io: FileIO,
     snapshot_name: str,
     on_chunk: Callable[[Chunk, int], None] | None,
+    stamp: Callable[[pa.Table], pa.Table],
 ) -> list[WrittenChunk]:
     """Step 2: read every chunk of the table under ``snapshot_name`` and write it as data files of the
-    rebuilt schema; returns them, committed nowhere."""
+    rebuilt schema (change metadata set by ``stamp``); returns them, committed nowhere."""
     metadata = transaction.table_metadata
     schema = arrow_schema(metadata.schema())
     with connect(config.source) as conn:
@@ -143,7 +153,7 @@ def _copy(
     for chunk, rows in run_chunks(
         config.source,
         [(source, chunk) for chunk in chunks],
-        read=lambda reader, table, chunk: read_chunk(reader, table, chunk, schema, snapshot_name, rule),
+        read=lambda reader, table, chunk: stamp(read_chunk(reader, table, chunk, schema, snapshot_name, rule)),
         write=lambda _table, chunk, rows: write_chunk(metadata, io, chunk, rows),
         commit=keep,
         parallelism=config.snapshot.parallelism,

@@ -27,9 +27,11 @@ from ..coordination.store import CoordinationStore
 from ..errors import Pg2IcebergError, SnapshotGoneError, StartupCheckError
 from ..faults import crash_point
 from ..iceberg.catalog import ensure_table
+from ..iceberg.change_metadata import metadata_columns
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import evolve_schema, rebuild_schema
 from ..iceberg.layout import apply_layout, follow_layout
+from ..materializer.change_stamp import stamp_snapshot
 from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_by
 from ..source.connection import connect
 from ..tables import MirroredTables
@@ -192,7 +194,12 @@ class SnapshotRunner:
         if schema is None:
             schema = self._schemas[table.key] = arrow_schema_for(self._iceberg_table(table))
         try:
-            return read_chunk(reader, table, chunk, schema, snapshot.name, self.config.values.out_of_range)
+            rows = read_chunk(reader, table, chunk, schema, snapshot.name, self.config.values.out_of_range)
+            metadata = metadata_columns(self._iceberg_table(table))
+            if metadata is None:
+                return rows
+            # The rows as of the epoch's snapshot (the slot's consistent point in the first epoch).
+            return stamp_snapshot(rows, metadata, self.store.snapshot_epoch(snapshot.epoch).lsn_bound)
         except Pg2IcebergError as exc:
             if self.store.exported_snapshot(holder_lock_key(self.config)) != snapshot:
                 raise Pg2IcebergError(

@@ -13,12 +13,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..source.catalog import SourceColumn
@@ -35,8 +36,13 @@ STAGING_SCHEMA = pa.schema(
     ]
 )
 RELATION_METADATA_KEY = b"pg2iceberg.relation"
+# The commit (end) LSN of each transaction with changes in the file, by xid (files staged before it: none).
+COMMIT_LSNS_METADATA_KEY = b"pg2iceberg.commit-lsns"
 
 INSERT, UPDATE, DELETE, TRUNCATE = "I", "U", "D", "T"
+# Not a staged column: the merge adds it to the changes it reads (materializer.merge.staged_changes): the
+# commit LSN of the change's transaction (see COMMIT_LSNS_METADATA_KEY).
+COMMIT_LSN_COLUMN = "_pg2iceberg_commit_lsn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class Change:
     xid: int
     data: dict[str, str | None]
     unchanged: tuple[str, ...] = ()
+    commit_lsn: int = 0  # see COMMIT_LSN_COLUMN (0: not known)
 
 
 @dataclass(frozen=True)
@@ -120,15 +127,20 @@ def encode_columns(
     xid: pa.Array,
     unchanged: pa.Array,
     data: pa.Array,
+    commit_lsns: Mapping[int, int] | None = None,
 ) -> bytes:
     """The six staging columns (Arrow arrays of one length, in log order) -> Parquet bytes.
 
     ``ts`` may also be int64 microseconds since the Unix epoch; ``unchanged`` holds the CSV-joined names
-    (null when none) and ``data`` the JSON objects, as :func:`encode` builds them.
+    (null when none) and ``data`` the JSON objects, as :func:`encode` builds them; ``commit_lsns`` the
+    commit LSN of each transaction by xid.
     """
+    metadata = {RELATION_METADATA_KEY: relation.to_json().encode()}
+    if commit_lsns:
+        metadata[COMMIT_LSNS_METADATA_KEY] = json.dumps({str(x): lsn for x, lsn in commit_lsns.items()}).encode()
     table = pa.Table.from_arrays(
         [op, lsn, ts if ts.type == TIMESTAMP else ts.cast(TIMESTAMP), xid, unchanged, data],
-        schema=STAGING_SCHEMA.with_metadata({RELATION_METADATA_KEY: relation.to_json().encode()}),
+        schema=STAGING_SCHEMA.with_metadata(metadata),
     )
     sink = io.BytesIO()
     # Dictionaries and statistics only where they pay: a row's JSON and LSN are (nearly) unique, and
@@ -152,9 +164,22 @@ def read_staged(data: bytes) -> tuple[StagedRelation, pa.Table]:
     return StagedRelation.from_json(metadata[RELATION_METADATA_KEY]), table
 
 
+def commit_lsns_of(table: pa.Table, fallback: int) -> pa.Array:
+    """Per change of a staged file (as :func:`read_staged` returns it), its transaction's commit LSN;
+    ``fallback`` where the file does not record it (staged before it was)."""
+    recorded = json.loads((table.schema.metadata or {}).get(COMMIT_LSNS_METADATA_KEY, b"{}"))
+    if not recorded:
+        return pa.repeat(pa.scalar(fallback, pa.int64()), table.num_rows)
+    xids = pa.array([int(xid) for xid in recorded], pa.int64())
+    lsns = pa.array(list(recorded.values()), pa.int64())
+    found = pc.take(lsns, pc.index_in(table.column("_xid"), value_set=xids))
+    return pc.fill_null(found, fallback).combine_chunks()
+
+
 def changes_of(table: pa.Table) -> list[Change]:
     """The staging columns (as :func:`read_staged` returns them) -> changes in log order."""
     columns = table.to_pydict()
+    commit_lsns = columns.get(COMMIT_LSN_COLUMN, [0] * table.num_rows)
     return [
         Change(
             op=op,
@@ -163,14 +188,16 @@ def changes_of(table: pa.Table) -> list[Change]:
             xid=xid,
             data=json.loads(payload),
             unchanged=split_names(unchanged) if unchanged else (),
+            commit_lsn=commit_lsn,
         )
-        for op, lsn, ts, xid, unchanged, payload in zip(
+        for op, lsn, ts, xid, unchanged, payload, commit_lsn in zip(
             columns["_op"],
             columns["_lsn"],
             columns["_ts"],
             columns["_xid"],
             columns["_unchanged_cols"],
             columns["_data"],
+            commit_lsns,
             strict=True,
         )
     ]
