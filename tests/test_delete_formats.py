@@ -20,6 +20,8 @@ from pg2iceberg_dagster.iceberg.delete_formats import chosen_format, format_prop
 from pg2iceberg_dagster.tables import MirroredTables
 from pg2iceberg_dagster.validation import check_delete_formats
 
+from .conftest import SourceDb
+
 MINIMAL: dict[str, Any] = {"source": {"dbname": "app"}, "tables": [{"name": "public.orders"}]}
 
 
@@ -136,3 +138,28 @@ def test_an_existing_table_takes_the_new_format_for_later_writes(
     assert "`pg2iceberg-dagster maintain --table public.orders`" in caplog.text
     align_delete_formats(catalog, pipeline, [tables["public.orders"]])
     assert catalog.load_table("public.orders").metadata_location == aligned.metadata_location
+
+
+def test_startup_refuses_before_writing_and_a_format_change_reaches_the_table(source: SourceDb) -> None:
+    """Through ``Pipeline.validate`` on a real source: a refused combination writes nothing (no
+    coordination schema, no slot); a snapshotted merge-on-read table whose readers then include
+    Databricks takes copy-on-write at the next startup."""
+    source.execute("CREATE TABLE public.orders (id int PRIMARY KEY, note text)")
+    source.execute("INSERT INTO public.orders SELECT g, 'n' || g FROM generate_series(1, 50) g")
+    iceberg = source.config(["public.orders"]).iceberg.model_dump(mode="json", exclude_none=True)
+    entry = {"name": "public.orders", "delete_format": "merge-on-read"}
+    refused = source.pipeline(source.config([entry], iceberg={**iceberg, "readers": ["databricks"]}))
+    with pytest.raises(StartupCheckError, match="databricks cannot read merge-on-read"):
+        refused.validate()
+    assert source.execute("SELECT count(*) FROM pg_namespace WHERE nspname = '_pg2iceberg'") == [(0,)]
+    assert source.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()") == [(0,)]
+
+    first = source.pipeline(source.config(["public.orders"], iceberg={**iceberg, "delete_format": "merge-on-read"}))
+    first.snapshot()
+    table = first.catalog.load_table(first.tables["public.orders"].iceberg)
+    assert table.properties["write.merge.mode"] == "merge-on-read" and table.scan().to_arrow().num_rows == 50
+    first.close()
+    second = source.pipeline(source.config(["public.orders"], iceberg={**iceberg, "readers": ["databricks"]}))
+    second.validate()
+    table = second.catalog.load_table(second.tables["public.orders"].iceberg)
+    assert [table.properties[f"write.{kind}.mode"] for kind in ("merge", "update", "delete")] == ["copy-on-write"] * 3
