@@ -1,6 +1,6 @@
 """Spark's memory over many MERGEs into an Iceberg v3 table (deletion vectors) against v2 (position deletes).
 
-    .venv/bin/python -m bench.v3_merge_memory [--rows 500000] [--changes 20000] [--batches 40]
+    .venv/bin/python -m bench.v3_merge_memory [--rows 500000] [--changes 20000] [--batches 40] [--formats ...]
 
 A v3 MERGE's memory growth was reported upstream; the project cannot write v3 tables yet (pyiceberg
 0.12: see pg2iceberg_dagster/iceberg/delete_formats.py), so this measures the Spark runtime it ships
@@ -124,10 +124,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--changes", type=int, default=20_000)
     parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
     args = parser.parse_args()
     report: dict[str, list[dict[str, float]]] = {}
     with work_dir(args.dir) as root:
-        for delete_format in FORMATS:
+        for delete_format in args.formats.split(","):
             # A fresh JVM per format: one format's heap, caches and JIT do not count against the other.
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 samples = pool.submit(
