@@ -200,7 +200,8 @@ def _read_everything(source: SourceDb, pipeline: Pipeline, spark: Any, step: str
 
 
 # CI reads merge-on-read (position deletes, both write paths: the harder case for a reader) to stay
-# within its time budget; PG2ICEBERG_ALL_DELETE_FORMATS=1 adds copy-on-write (docs/readers.md).
+# within its time budget; PG2ICEBERG_ALL_DELETE_FORMATS=1 adds copy-on-write and the v3 deletion
+# vectors (docs/readers.md).
 TESTED_FORMATS = list(FORMATS) if os.environ.get("PG2ICEBERG_ALL_DELETE_FORMATS") == "1" else ["merge-on-read"]
 
 
