@@ -38,6 +38,7 @@ import psycopg
 import pyarrow.parquet as pq
 
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
+from pg2iceberg_dagster.iceberg.delete_formats import format_properties
 from pg2iceberg_dagster.materializer.merge import PHASES
 from pg2iceberg_dagster.materializer.spark_sql import merge_statement, spark_identifier
 from pg2iceberg_dagster.pipeline import Pipeline
@@ -47,11 +48,6 @@ from .common import SOURCE_DB, Report, argument_parser, bench_cluster, bench_con
 MODES = ("copy-on-write", "merge-on-read")
 TARGET_CHANGES_PER_S = 100_000
 TXN_ROWS = 10_000
-
-
-def write_mode_properties(mode: str) -> dict[str, str]:
-    """Iceberg table properties that make MERGE, UPDATE and DELETE use ``mode``."""
-    return {"format-version": "2", **{f"write.{op}.mode": mode for op in ("merge", "update", "delete")}}
 
 
 class ChangeMaker:
@@ -140,7 +136,7 @@ def run_mode(
         replication={"slot": f"bench_{short}", "publication": f"bench_{short}"},
         state={"host": "127.0.0.1", "port": pg.port, "dbname": f"state_{short}", "user": "postgres"},
         staging={"url": f"file://{root}/staging_{short}"},
-        iceberg={"table_properties": {**write_mode_properties(mode), **properties}},
+        iceberg={"table_properties": {**format_properties(mode), **properties}},
     )
     maker = ChangeMaker(pg, table, rows)
     report_rows: list[list[Any]] = []

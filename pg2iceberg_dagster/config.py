@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .iceberg.delete_formats import READERS, DeleteFormat, chosen_format
 from .iceberg.terms import PartitionTerm, SortTerm, parse_partition_term, parse_sort_term, repeated_columns
 
 # An unquoted name, or a quoted one in which a double quote is written twice (SQL's own escape).
@@ -129,6 +130,15 @@ def _partition_expression(value: str) -> str:
     return value
 
 
+def _known_reader(value: str) -> str:
+    if value not in READERS:
+        raise ValueError(
+            f"{value!r} is not a reader whose delete formats are known here ({', '.join(READERS)}): "
+            "leave it out and set delete_format directly"
+        )
+    return value
+
+
 def _sort_expression(value: str) -> str:
     parse_sort_term(value)
     return value
@@ -216,6 +226,9 @@ class TableConfig(_Strict):
     change_metadata: bool | None = None
     # soft: a row deleted at the source stays, marked by the deletion columns (change_metadata.deleted_*).
     deletes: Literal["hard", "soft"] = "hard"
+    # This table's delete format, or the engines that read it (docs/readers.md); unset: the pipeline's.
+    delete_format: DeleteFormat | None = None
+    readers: list[Annotated[str, AfterValidator(_known_reader)]] | None = None
 
     @model_validator(mode="after")
     def _mask_rules(self) -> TableConfig:
@@ -401,6 +414,10 @@ class IcebergConfig(_Strict):
     table_properties: dict[str, str] = DEFAULT_TABLE_PROPERTIES
     # A table removed from the config while ``run`` runs: its Iceberg table is kept unless this is set.
     drop_removed_tables: bool = False
+    # How merges record deleted rows, directly or chosen for the engines that read the tables
+    # (iceberg/delete_formats.py, docs/readers.md); a table's own setting wins. Unset: table_properties.
+    delete_format: DeleteFormat | None = None
+    readers: list[Annotated[str, AfterValidator(_known_reader)]] = []
 
     @field_validator("table_properties")
     @classmethod
@@ -735,6 +752,22 @@ class PipelineConfig(_Strict):
     def iceberg_identifier(self, table: TableConfig) -> tuple[str, str]:
         """(namespace, name) of the Iceberg table mirroring ``table``."""
         return self.iceberg.namespace.format(schema=table.schema_name), table.iceberg_name or table.table_name
+
+    def readers_of(self, table: TableConfig) -> list[str]:
+        """The engines declared to read ``table``'s mirror (its own list, else the pipeline's)."""
+        return table.readers if table.readers is not None else self.iceberg.readers
+
+    def delete_format_of(self, table: TableConfig) -> DeleteFormat | None:
+        """``table``'s declared delete format: its own, else chosen for its own readers, else the
+        pipeline's, else chosen for the pipeline's readers; None when nothing is declared (the format
+        ``iceberg.table_properties`` gives)."""
+        if table.delete_format is not None:
+            return table.delete_format
+        if table.readers:
+            return chosen_format(table.readers)
+        if self.iceberg.delete_format is not None:
+            return self.iceberg.delete_format
+        return chosen_format(self.iceberg.readers) if self.iceberg.readers else None
 
 
 def _format_validation_error(error: ValidationError, source: str) -> str:

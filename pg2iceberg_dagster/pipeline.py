@@ -24,7 +24,7 @@ from .coordination.store import CoordinationStore
 from .cuts import Cut, latest_cut, take_cut
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
-from .iceberg.catalog import open_catalog
+from .iceberg.catalog import align_delete_formats, open_catalog
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, compaction_due, measured_health, summary_health
 from .materializer.merge import Materializer, MergeResult
 from .materializer.spark import build_spark_session
@@ -213,6 +213,8 @@ class Pipeline:
         """Run the startup checks (once per Pipeline unless ``refresh``)."""
         if self._report is None or refresh:
             self._report = check_startup(self.config, self.store)
+            if any(self.config.delete_format_of(self.tables[key].config) for key in self.tables):
+                align_delete_formats(self.catalog, self.config, (self.tables[key] for key in self.tables))
         return self._report
 
     def snapshot(self, on_chunk: ChunkCallback | None = None, on_plan: Any = None) -> dict[str, TableSnapshotResult]:

@@ -18,6 +18,15 @@ from .coordination.store import CoordinationStore
 from .errors import SlotLostError, StartupCheckError, UnsupportedTypeError
 from .failover import failover_warnings
 from .iceberg.change_metadata import refuse_metadata_name_clash
+from .iceberg.delete_formats import (
+    DESCRIBED,
+    FORMAT_VERSION,
+    WHY_NOT_WRITABLE,
+    WRITABLE,
+    chosen_format,
+    conflicting_modes,
+    unable_to_read,
+)
 from .iceberg.layout import layout_problems
 from .iceberg.types import iceberg_schema
 from .snapshot.chunks import MIN_CTID_RANGE_VERSION
@@ -370,6 +379,7 @@ def check_startup(config: PipelineConfig, store: CoordinationStore, slot_lost_ok
     A slot the pipeline created that is gone or lost WAL raises :class:`SlotLostError`, unless
     ``slot_lost_ok`` (a repair is about to replace it): then the report says why in ``slot_lost``.
     """
+    check_delete_formats(config)
     with connect(config.source) as conn:
         version = server_version(conn)
         # Before the replication connection: a role without REPLICATION gets the check's advice, not
@@ -409,6 +419,47 @@ def check_startup(config: PipelineConfig, store: CoordinationStore, slot_lost_ok
         slot_lost=lost,
         warnings=warnings,
     )
+
+
+def check_delete_formats(config: PipelineConfig) -> None:
+    """Refuse, before anything is written, a table whose delete format one of its declared readers
+    cannot read, a format this project cannot write, or ``write.*.mode`` table properties that
+    contradict a declared format (docs/readers.md)."""
+    problems: list[str] = []
+    if config.iceberg.table_properties.get(FORMAT_VERSION, "2") not in ("1", "2"):
+        problems.append(
+            f"iceberg.table_properties.{FORMAT_VERSION}: {config.iceberg.table_properties[FORMAT_VERSION]} is "
+            f"refused: {WHY_NOT_WRITABLE['deletion-vectors']}; remove it (the tables are format-version 2)"
+        )
+    for index, table in enumerate(config.tables):
+        problems.extend(_delete_format_problems(config, index, table))
+    if problems:
+        raise StartupCheckError("delete formats:\n  " + "\n  ".join(problems))
+
+
+def _delete_format_problems(config: PipelineConfig, index: int, table: TableConfig) -> list[str]:
+    """What is wrong with ``table``'s declared delete format (``tables.<index>`` in the config)."""
+    delete_format = config.delete_format_of(table)
+    if delete_format is None:
+        return []
+    readers = config.readers_of(table)
+    # What to set instead: the format chosen for its readers, which every one of them reads.
+    fix = f"set tables.{index}.delete_format: {chosen_format(readers)}"
+    if delete_format not in WRITABLE:
+        return [f"table {table.key}: {WHY_NOT_WRITABLE[delete_format]}; {fix} (or iceberg.delete_format)"]
+    problems = [
+        f"table {table.key}: {reader} cannot read {DESCRIBED[delete_format]} (docs/readers.md); "
+        f"{fix}, or take {reader} out of its readers"
+        for reader in unable_to_read(delete_format, readers)
+    ]
+    conflicts = conflicting_modes(config.iceberg.table_properties, delete_format)
+    if conflicts:
+        listed = ", ".join(f"{key}: {value}" for key, value in conflicts.items())
+        problems.append(
+            f"table {table.key}: iceberg.table_properties sets {listed}, against its delete format "
+            f"{delete_format}; remove the write.*.mode entries from iceberg.table_properties"
+        )
+    return problems
 
 
 def _slot_lost(slot: SlotInfo | None, slot_recorded: bool) -> str | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Iterable
 from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
@@ -16,9 +18,12 @@ from ..paths import path_segment
 from ..source.catalog import SourceTable
 from ..tables import MirroredTable
 from .change_metadata import ensure_configured_columns
+from .delete_formats import DESCRIBED, align_table, format_of, format_properties
 from .evolution import attnum_properties
 from .layout import initial_layout
 from .types import iceberg_schema
+
+log = logging.getLogger(__name__)
 
 
 def shared_catalog_properties(config: PipelineConfig) -> dict[str, str]:
@@ -150,6 +155,9 @@ def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: Mirrored
         catalog.create_namespace(namespace)
     schema = iceberg_schema(source.columns, source.primary_key)
     properties = {**config.iceberg.table_properties, **attnum_properties(schema, source.columns)}
+    delete_format = config.delete_format_of(mirrored.config)
+    if delete_format is not None:
+        properties.update(format_properties(delete_format))
     spec, sort_order = initial_layout(schema, mirrored.config, source.columns)
     return catalog.create_table_if_not_exists(
         identifier,
@@ -159,6 +167,33 @@ def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: Mirrored
         sort_order=sort_order,
         properties=properties,
     )
+
+
+def align_delete_formats(catalog: Catalog, config: PipelineConfig, tables: Iterable[MirroredTable]) -> None:
+    """Give every existing mirror table whose delete format is declared that format's write modes, so
+    its later merges write it; the delete files it holds stay until maintenance compacts them (said in
+    the log). Tables not created yet get the format when they are."""
+    for mirrored in tables:
+        delete_format = config.delete_format_of(mirrored.config)
+        if delete_format is None:
+            continue
+        try:
+            table = catalog.load_table(mirrored.iceberg)
+        except NoSuchTableError:
+            continue
+        was = format_of(table.properties)
+        if align_table(table, delete_format):
+            snapshot = table.current_snapshot()
+            summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
+            log.warning(
+                "table %s: merges write %s from now on (was %s); its %s delete files stay until "
+                "`pg2iceberg-dagster maintain --table %s` compacts them",
+                mirrored.key,
+                DESCRIBED[delete_format],
+                DESCRIBED[was],
+                summary.get("total-delete-files", "0"),
+                mirrored.key,
+            )
 
 
 def _location(config: PipelineConfig, identifier: tuple[str, str]) -> str | None:
