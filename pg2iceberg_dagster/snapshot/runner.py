@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
 
 from ..config import PipelineConfig
 from ..coordination.records import AdvertisedSnapshot, Chunk
@@ -106,6 +107,10 @@ class SnapshotRunner:
         self.detached_holder = detached_holder
         self._tables: dict[str, Table] = {}
         self._schemas: dict[str, pa.Schema] = {}
+        # The chunk writers' own copy of each table's metadata, and the lock its copy and the commits
+        # take (see _metadata_for_writes).
+        self._writer_metadata: dict[str, TableMetadata] = {}
+        self._commit_lock = threading.Lock()
         self._holder_thread: HolderThread | None = None
 
     def pending_tables(self) -> list[SourceTable]:
@@ -210,8 +215,19 @@ class SnapshotRunner:
 
     def write_chunk(self, table: SourceTable, chunk: Chunk, rows: pa.Table) -> WrittenChunk:
         """Write a chunk's data files (nothing is committed yet)."""
-        iceberg = self._iceberg_table(table)
-        return write_chunk(iceberg.metadata, iceberg.io, chunk, rows)
+        return write_chunk(self._metadata_for_writes(table), self._iceberg_table(table).io, chunk, rows)
+
+    def _metadata_for_writes(self, table: SourceTable) -> TableMetadata:
+        """The Iceberg table's metadata as the chunk writers use it: a copy of their own, taken once per
+        table while no commit runs. A pyiceberg commit deep-copies the table's metadata, and writers
+        filling the lazily computed caches of that same object broke the copy ("dictionary changed size
+        during iteration"). What writers need (schema, spec, sort order, location) stays put while an
+        epoch's chunks are written."""
+        with self._commit_lock:
+            metadata = self._writer_metadata.get(table.key)
+            if metadata is None:
+                metadata = self._writer_metadata[table.key] = self._iceberg_table(table).metadata.model_copy(deep=True)
+            return metadata
 
     def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk], epoch: int) -> list[tuple[Chunk, int]]:
         """Commit written chunks of one table to Iceberg in one commit, then record each as done;
@@ -224,7 +240,8 @@ class SnapshotRunner:
                     f"{table.key} started again in snapshot epoch {state.snapshot_epoch if state else '-'} while "
                     f"this process read it in epoch {epoch}; run the snapshot again"
                 )
-            snapshot_id = commit_chunks(self._iceberg_table(table), batch, epoch)
+            with self._commit_lock:
+                snapshot_id = commit_chunks(self._iceberg_table(table), batch, epoch)
             crash_point("snapshot.after_chunk_commit")
             for written in batch:
                 self.store.mark_chunk_done(table.key, written.chunk.index, written.rows, epoch, snapshot_id)
