@@ -50,6 +50,7 @@ from .coordination.store import CoordinationStore
 from .errors import Pg2IcebergError, ResyncRequiredError, SlotBusyError
 from .faults import crash_point
 from .iceberg.catalog import epoch_committed
+from .iceberg.change_metadata import deletion_columns
 from .iceberg.evolution import evolve_schema, pending_fills, source_files_properties, without_pending_fills
 from .iceberg.types import arrow_schema
 from .materializer.branch import spark_view, write_on_branch
@@ -314,9 +315,12 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str, file
     properties = {REPAIR_EPOCH: str(epoch)}
     schema = table.schema()
     _record_compared(table, transaction, files)
-    if differences.delete_keys:
+    doomed = differences.delete_keys
+    if deletion_columns(table) is not None:  # a marked row of an upserted key goes too (see RowDifferences)
+        doomed = list({*differences.delete_keys, *differences.upsert_keys})
+    if doomed:
         key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
-        transaction.delete(key_filter(key_names, differences.delete_keys), snapshot_properties=properties)
+        transaction.delete(key_filter(key_names, doomed), snapshot_properties=properties)
     if differences.upserted:
         transaction.append(_as_table_rows(table, pa.concat_tables(differences.upserts)), snapshot_properties=properties)
     try:

@@ -294,6 +294,9 @@ class RowDifferences:
     # The keys of ``delete_keys`` with no upsert (only in Iceberg): a writer that deletes and upserts by
     # key in one statement needs each key once.
     delete_only_keys: list[tuple] = field(default_factory=list)
+    # Every upserted key: a soft-deleting table may hold such a key as a row marked deleted, which the
+    # comparison of live rows does not see, and which must go before the source's row is appended.
+    upsert_keys: list[tuple] = field(default_factory=list)
 
     @property
     def upserted(self) -> int:
@@ -303,6 +306,7 @@ class RowDifferences:
         """Keep the rows of ``pg_rows`` whose key is in ``upsert``, and the keys of ``delete``."""
         self.delete_keys.extend(delete)
         self.delete_only_keys.extend(delete - upsert)
+        self.upsert_keys.extend(upsert)
         if not upsert:
             return
         with_nan = _normalizers(pg_rows.schema)
