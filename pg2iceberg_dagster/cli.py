@@ -137,12 +137,7 @@ def cmd_materialize(pipeline: Pipeline, args: argparse.Namespace) -> int:
         results = pipeline.materialize(tables)
         pending = [key for key, result in results.items() if result.resync_reason]
         if args.resync and pending:
-            repairs = set(pipeline.repairs_pending())
-            for key in pending:
-                if key in repairs:  # only its differences, not a copy of all of it
-                    pipeline.repair([key], on_table=_print_repair)
-                else:
-                    _resync(pipeline, key)
+            _resync_or_repair(pipeline, pending)
             results = pipeline.materialize(tables)  # what was staged meanwhile
         if args.json:
             print(json.dumps([result.as_json() for result in results.values()], indent=2))
@@ -213,12 +208,26 @@ def _print_repair_summary(pipeline: Pipeline, result: RepairResult) -> None:
 
 
 def cmd_resync(pipeline: Pipeline, args: argparse.Namespace) -> int:
-    keys = [pipeline.tables.named(name).key for name in args.table or []] or list(pipeline.resyncs_pending())
-    if not keys:
+    if args.table:  # asked for by name: copied again, even one waiting for a repair
+        for name in args.table:
+            _resync(pipeline, pipeline.tables.named(name).key)
+        return 0
+    pending = list(pipeline.resyncs_pending())
+    if not pending:
         print("no resync pending; name a table with --table")
-    for key in keys:
-        _resync(pipeline, key)
+    _resync_or_repair(pipeline, pending)
     return 0
+
+
+def _resync_or_repair(pipeline: Pipeline, pending: list[str]) -> None:
+    """Bring the tables waiting for a resync or a repair up to date: a repair writes only the table's
+    differences, not a copy of all of it."""
+    repairs = set(pipeline.repairs_pending())
+    for key in pending:
+        if key in repairs:
+            pipeline.repair([key], on_table=_print_repair)
+        else:
+            _resync(pipeline, key)
 
 
 def _resync(pipeline: Pipeline, key: str) -> None:
