@@ -52,10 +52,12 @@ def test_two_mirrors_load_side_by_side() -> None:
     Definitions.validate_loadable(defs)
     assert set(defs.resources or {}) == {"app", "app_spark", "billing", "billing_spark"}
     sensors = {sensor.name for sensor in defs.sensors or []}
-    for name in ("flusher", "snapshot_planner", "merge", "snapshot_automation", "resync", "maintenance"):
+    for name in ("flusher", "snapshot_planner", "merge", "snapshot_automation", "resync", "maintenance", "repair"):
         assert {f"app_{name}", f"billing_{name}"} <= sensors
     assert {job.name for job in defs.jobs or []} == {
-        f"{mirror}_{job}" for mirror in ("app", "billing") for job in ("merge", "resync", "maintenance", "cut")
+        f"{mirror}_{job}"
+        for mirror in ("app", "billing")
+        for job in ("merge", "resync", "maintenance", "cut", "repair")
     }
     specs = {spec.key: spec for spec in defs.resolve_all_asset_specs()}
     live = specs[AssetKey(["billing", "iceberg", "public", "orders"])]
@@ -208,7 +210,7 @@ def test_a_dagster_project_adds_two_mirrors_with_dg(source: SourceDb, tmp_path: 
     assert {job["name"] for job in listed["jobs"]} == {
         f"{mirror}_{job}"
         for mirror in ("mirror", "billing", "offline")
-        for job in ("merge", "resync", "maintenance", "cut")
+        for job in ("merge", "resync", "maintenance", "cut", "repair")
     }
     resources = {resource["name"] for resource in listed["resources"]}
     assert resources == {
