@@ -223,6 +223,9 @@ class SnapshotRunner:
         filling the lazily computed caches of that same object broke the copy ("dictionary changed size
         during iteration"). What writers need (schema, spec, sort order, location) stays put while an
         epoch's chunks are written."""
+        metadata = self._writer_metadata.get(table.key)
+        if metadata is not None:  # every chunk after the table's first: no wait for a commit in progress
+            return metadata
         with self._commit_lock:
             metadata = self._writer_metadata.get(table.key)
             if metadata is None:
