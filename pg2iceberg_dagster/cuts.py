@@ -168,10 +168,10 @@ def take_cut(
                 writer_lease_within(store, materializer.group, key, materializer.worker_id, LEASE_WAIT_SECONDS)
             )
         lsn, heads = _staged_past_snapshots(store, keys)
-        snapshots = {key: _merged_snapshot(materializer, catalog, key, heads[key], lsn) for key in keys}
-        cut = Cut(name, lsn, now, tuple(keys), group, snapshots)
-        for key in keys:
-            _tag(catalog.load_table(tables[key].iceberg), cut, snapshots[key])
+        merged = {key: _merged(materializer, catalog, key, heads[key], lsn) for key in keys}
+        cut = Cut(name, lsn, now, tuple(keys), group, {key: snapshot for key, (_, snapshot) in merged.items()})
+        for table, snapshot_id in merged.values():
+            _tag(table, cut, snapshot_id)
         expire_cuts(catalog, tables, keys, cuts, group, now)
     return cut
 
@@ -199,16 +199,17 @@ def _staged_past_snapshots(store: CoordinationStore, keys: list[str]) -> tuple[i
         time.sleep(LEASE_RETRY_SECONDS)
 
 
-def _merged_snapshot(materializer: Materializer, catalog: Catalog, key: str, head: int, lsn: int) -> int:
-    """Merge the table up to ``head`` (complete up to ``lsn``); its snapshot then."""
+def _merged(materializer: Materializer, catalog: Catalog, key: str, head: int, lsn: int) -> tuple[Table, int]:
+    """Merge the table up to ``head`` (complete up to ``lsn``); the Iceberg table and its snapshot then."""
     result = materializer.merge_to(key, head, lsn)
     if result.not_current is not None or result.lag.mat_cursor != head:
         reason = result.not_current or f"its cursor stands at {result.lag.mat_cursor}, not {head}"
         raise CutError(f"cannot cut: {key} could not be merged up to {format_lsn(lsn)}: {reason}. Nothing was tagged")
-    snapshot = catalog.load_table(materializer.tables[key].iceberg).current_snapshot()
+    table = catalog.load_table(materializer.tables[key].iceberg)
+    snapshot = table.current_snapshot()
     if snapshot is None:
         raise CutError(f"cannot cut: {key} has no Iceberg snapshot yet; `snapshot` (or `run`) writes it first")
-    return snapshot.snapshot_id
+    return table, snapshot.snapshot_id
 
 
 def _tag(table: Table, cut: Cut, snapshot_id: int) -> None:

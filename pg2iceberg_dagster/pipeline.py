@@ -213,8 +213,9 @@ class Pipeline:
         """Run the startup checks (once per Pipeline unless ``refresh``)."""
         if self._report is None or refresh:
             self._report = check_startup(self.config, self.store)
-            if any(self.config.delete_format_of(self.tables[key].config) for key in self.tables):
-                align_delete_formats(self.catalog, self.config, (self.tables[key] for key in self.tables))
+            # Only when a format is declared: the catalog is not opened for nothing.
+            if any(self.config.delete_format_of(table.config) for table in self.tables.values()):
+                align_delete_formats(self.catalog, self.config, self.tables.values())
         return self._report
 
     def snapshot(self, on_chunk: ChunkCallback | None = None, on_plan: Any = None) -> dict[str, TableSnapshotResult]:
