@@ -15,7 +15,7 @@ from pyiceberg.exceptions import NoSuchTableError
 from .config import PipelineConfig
 from .coordination.migrations import SCHEMA
 from .coordination.store import CoordinationStore
-from .source.catalog import publication_tables, table_list
+from .source.catalog import published_names
 from .source.connection import connect
 from .staging.store import ObjectStore, legacy_table_location, staged_file_lsn
 from .tables import MirroredTable
@@ -114,12 +114,13 @@ def remove_tables(
     log deleted; their Iceberg tables are dropped only with ``drop_iceberg``."""
     if config.replication.create_publication:
         with connect(config.source) as conn:
-            published = publication_tables(conn, config.replication.publication)
-            leaving = [table.config for table in tables if table.key in published]
+            # Named as the publication holds them: a removed table's entry may come from its key alone.
+            published = published_names(conn, config.replication.publication)
+            leaving = [sql.Identifier(*published[table.key]) for table in tables if table.key in published]
             if leaving:
                 conn.execute(
                     sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
-                        sql.Identifier(config.replication.publication), table_list(leaving)
+                        sql.Identifier(config.replication.publication), sql.SQL(", ").join(leaving)
                     )
                 )
     for table in tables:

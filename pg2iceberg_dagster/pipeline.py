@@ -511,7 +511,8 @@ class Pipeline:
         """Stop mirroring the tables the coordination state holds but the config no longer names (see
         cleanup.remove_tables; their Iceberg tables are kept: only the config could name them); returns
         their entries."""
-        # A key is "schema.table" unquoted: split at the first dot (a schema name holding one is misread).
+        # A key is "schema.table" unquoted: split at the first dot. A schema name holding a dot is misread,
+        # which is harmless: what goes is found by key, and the publication names its tables itself.
         removed = [TableConfig.named(*key.split(".", 1)) for key in self.no_longer_configured()]
         if removed:
             leaving = [MirroredTable.of(self.config, table) for table in removed]

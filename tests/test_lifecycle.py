@@ -259,3 +259,29 @@ def test_ctrl_c_stops_run_cleanly_once_spark_runs(source: SourceDb, tmp_path: Pa
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+def test_a_removed_table_whose_schema_name_holds_a_dot_leaves_the_publication(source: SourceDb) -> None:
+    """A table gone from the config is known by its key alone (``a.b.c``: schema ``a.b``, table ``c``,
+    though ``a``/``b.c`` reads the same); it leaves the publication under its own names and its state
+    goes, while the other table keeps streaming exactly."""
+    source.execute('CREATE SCHEMA "a.b"')
+    source.execute('CREATE TABLE "a.b".c (id int PRIMARY KEY, v text)')
+    source.execute("CREATE TABLE public.kept (id int PRIMARY KEY, v text)")
+    for table in ('"a.b".c', "public.kept"):
+        source.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 50) g")
+    both = source.config(['"a.b".c', "public.kept"])
+    pipeline = source.pipeline(both)
+    pipeline.snapshot()
+    source.execute('UPDATE "a.b".c SET v = \'staged\' WHERE id < 5')
+    pipeline.stream(until_caught_up=True)
+    pipeline.close()
+    only_kept = source.config(["public.kept"])
+    pipeline = source.pipeline(only_kept)
+    assert [table.key for table in pipeline.forget_removed_tables()] == ["a.b.c"]
+    assert "a.b.c" not in pipeline.store.table_states()
+    assert _published(source, only_kept) == {"public.kept"}
+    source.execute("UPDATE public.kept SET v = 'after' WHERE id < 10")
+    pipeline.stream(until_caught_up=True)
+    pipeline.materialize()
+    assert all(diff.ok for diff in pipeline.verify())

@@ -647,8 +647,14 @@ def published_keys_seen_by(
 
 def publication_tables(conn: psycopg.Connection, publication: str) -> set[str]:
     """The keys (``schema.table``) the publication covers now."""
+    return set(published_names(conn, publication))
+
+
+def published_names(conn: psycopg.Connection, publication: str) -> dict[str, tuple[str, str]]:
+    """The (schema, table) names of each table the publication covers now, by key: the names as the
+    server holds them, which a key (``schema.table``) cannot be split back into when a name holds a dot."""
     rows = conn.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))
-    return {f"{schema}.{table}" for schema, table in rows}
+    return {f"{schema}.{table}": (schema, table) for schema, table in rows}
 
 
 def table_list(tables: Iterable[TableConfig | SourceTable]) -> sql.Composed:
