@@ -273,7 +273,7 @@ def test_a_removed_table_whose_schema_name_holds_a_dot_leaves_the_publication(so
     both = source.config(['"a.b".c', "public.kept"])
     pipeline = source.pipeline(both)
     pipeline.snapshot()
-    source.execute('UPDATE "a.b".c SET v = \'staged\' WHERE id < 5')
+    source.execute("UPDATE \"a.b\".c SET v = 'staged' WHERE id < 5")
     pipeline.stream(until_caught_up=True)
     pipeline.close()
     only_kept = source.config(["public.kept"])
