@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -655,11 +655,6 @@ def published_names(conn: psycopg.Connection, publication: str) -> dict[str, tup
     server holds them, which a key (``schema.table``) cannot be split back into when a name holds a dot."""
     rows = conn.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))
     return {f"{schema}.{table}": (schema, table) for schema, table in rows}
-
-
-def table_list(tables: Iterable[TableConfig | SourceTable]) -> sql.Composed:
-    """``tables`` as a comma-separated list of quoted qualified names (for a publication's DDL)."""
-    return sql.SQL(", ").join(sql.Identifier(table.schema_name, table.table_name) for table in tables)
 
 
 def column_policy(
