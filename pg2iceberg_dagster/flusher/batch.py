@@ -162,18 +162,18 @@ class MessageBatch:
     def __init__(
         self,
         data: bytes | memoryview,
-        ends: Sequence[int],
+        ends: pa.Array,
         ts: pa.Array,
         xids: pa.Array,
         commit_lsns: pa.Array | None = None,
     ) -> None:
         """``data``: the messages back to back (copied here), each ending at its ``ends`` offset; per
         message its transaction's commit time (Unix microseconds), xid and, when known, commit LSN
-        (int64 arrays)."""
+        (all int64 arrays)."""
         self.buffer = pa.py_buffer(b"".join((data, _PADDING)))
         self.bytes = pa.Array.from_buffers(pa.uint8(), self.buffer.size, [None, self.buffer])
-        self.ends = pa.array(ends, pa.int64())
-        message_starts = pa.concat_arrays([pa.array([0], pa.int64()), self.ends[:-1]]) if ends else self.ends
+        self.ends = ends
+        message_starts = pa.concat_arrays([pa.array([0], pa.int64()), ends[:-1]]) if len(ends) else ends
         self.starts = pc.add(message_starts, XLOG_HEADER)  # of the payloads
         self.lsn = self.int_at(pc.add(message_starts, 1), 8)
         self.ts, self.xid, self.commit_lsns = ts, xids, commit_lsns
@@ -181,7 +181,7 @@ class MessageBatch:
     @classmethod
     def of_messages(cls, messages: Sequence[bytes], ts: Sequence[int], xids: Sequence[int]) -> MessageBatch:
         """A batch of separate messages, with each one's commit time and xid (commit LSNs unknown)."""
-        ends = list(itertools.accumulate(map(len, messages)))
+        ends = pa.array(itertools.accumulate(map(len, messages)), pa.int64())
         return cls(b"".join(messages), ends, pa.array(ts, pa.int64()), pa.array(xids, pa.int64()))
 
     def __len__(self) -> int:

@@ -21,7 +21,7 @@ from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.records import StagedFile
 from ..errors import StartupCheckError
-from ..faults import crash_point
+from ..faults import armed, crash_point
 from ..source import pgoutput
 from ..source.catalog import (
     SourceTable,
@@ -203,13 +203,15 @@ class Flusher:
         """
         # Locals for the per-message loop: it runs hundreds of thousands of times a second.
         data, ends = run.writer.pending
-        extend, end, header, row_tags, crash = data.extend, ends.append, XLOG_HEADER, _ROW_TAGS, crash_point
+        extend, end, header, row_tags = data.extend, ends.append, XLOG_HEADER, _ROW_TAGS
+        crash = armed("flusher.mid_transaction")
         for message in messages:
             tag = message[header]
             if tag in row_tags:
                 extend(message)  # kept as received: decoded in bulk when staged
                 end(len(data))
-                crash("flusher.mid_transaction")
+                if crash:
+                    crash_point("flusher.mid_transaction")
             elif tag == _BEGIN:
                 _, run.commit_ts, run.xid = pgoutput.begin_fields(message, XLOG_HEADER)
                 run.in_transaction = True

@@ -194,7 +194,7 @@ class StagedWriter:
         try:
             for messages in spill.chunks(self._max_rows, self._max_bytes):
                 count = len(messages)
-                ends = list(itertools.accumulate(map(len, messages)))
+                ends = pa.array(itertools.accumulate(map(len, messages)), pa.int64())
                 self._stage(b"".join(messages), ends, *(_repeat(value, count) for value in (ts, xid, end_lsn)))
                 self._base += count
         finally:
@@ -237,7 +237,7 @@ class StagedWriter:
             for offset in range(0, count, self._max_rows):
                 end = min(offset + self._max_rows, count)
                 first = self._ends[offset - 1] if offset else 0
-                ends = [at - first for at in self._ends[offset:end]]
+                ends = pc.subtract(pa.array(self._ends[offset:end], pa.int64()), first)
                 rows = (column.slice(offset, end - offset) for column in (ts, xids, lsns))
                 self._stage(view[first : self._ends[end - 1]], ends, *rows)
                 self._base += end - offset
@@ -249,7 +249,7 @@ class StagedWriter:
         self._relations.forget_before(self._base)
 
     def _stage(
-        self, data: builtins.bytes | memoryview, ends: list[int], ts: pa.Array, xids: pa.Array, lsns: pa.Array
+        self, data: builtins.bytes | memoryview, ends: pa.Array, ts: pa.Array, xids: pa.Array, lsns: pa.Array
     ) -> None:
         """Upload the staged files of these rows (``data``: the messages back to back, each ending at
         its ``ends`` offset; at most ``max_rows``; the first is row ``self._base``), with each row's
