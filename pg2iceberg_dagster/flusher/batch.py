@@ -161,7 +161,7 @@ class MessageBatch:
 
     def __init__(
         self,
-        data: bytes | memoryview,
+        data: bytes | bytearray,
         ends: pa.Array,
         ts: pa.Array,
         xids: pa.Array,

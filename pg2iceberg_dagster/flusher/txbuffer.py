@@ -37,7 +37,7 @@ class SpillFile:
             "flush.spill_dir at a larger disk"
         )
 
-    def add(self, message: bytes | memoryview) -> None:
+    def add(self, message: bytes | bytearray) -> None:
         try:
             self._file.write(_ENTRY.pack(len(message)))
             self._file.write(message)

@@ -141,7 +141,7 @@ class StagedWriter:
         """
         return self._data, self._ends
 
-    def add(self, message: builtins.bytes | memoryview) -> None:
+    def add(self, message: builtins.bytes) -> None:
         """Append one row message (or TRUNCATE marker) of the open transaction and keep the bound."""
         self._data += message
         self._ends.append(len(self._data))
@@ -165,10 +165,10 @@ class StagedWriter:
     def _spill_open(self) -> None:
         assert self._spill is not None
         start = self._committed_end()
-        with memoryview(self._data) as view:
-            for end in self._ends[self._committed :]:
-                self._spill.add(view[start:end])
-                start = end
+        # Copies, not views: a view alive (in an error's traceback too) would forbid resizing the buffer.
+        for end in self._ends[self._committed :]:
+            self._spill.add(self._data[start:end])
+            start = end
         self._drop_open()
 
     def _drop_open(self) -> None:
@@ -232,15 +232,15 @@ class StagedWriter:
             pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(run_ends, pa.array(values, pa.int64())))
             for values in (self._txn_ts, self._txn_xids, self._txn_lsns)
         )
-        with memoryview(self._data) as view:
-            # In chunks of max_rows: a window holding a large transaction is decoded a bounded part at a time.
-            for offset in range(0, count, self._max_rows):
-                end = min(offset + self._max_rows, count)
-                first = self._ends[offset - 1] if offset else 0
-                ends = pc.subtract(pa.array(self._ends[offset:end], pa.int64()), first)
-                rows = (column.slice(offset, end - offset) for column in (ts, xids, lsns))
-                self._stage(view[first : self._ends[end - 1]], ends, *rows)
-                self._base += end - offset
+        # In chunks of max_rows: a window holding a large transaction is decoded a bounded part at a time.
+        for offset in range(0, count, self._max_rows):
+            end = min(offset + self._max_rows, count)
+            first = self._ends[offset - 1] if offset else 0
+            ends = pc.subtract(pa.array(self._ends[offset:end], pa.int64()), first)
+            rows = (column.slice(offset, end - offset) for column in (ts, xids, lsns))
+            # A copy, not a view (see _spill_open).
+            self._stage(self._data[first : self._ends[end - 1]], ends, *rows)
+            self._base += end - offset
         del self._data[:size]
         self._ends[:] = [at - size for at in self._ends[count:]]
         for values in (self._txn_rows, self._txn_ts, self._txn_xids, self._txn_lsns):
@@ -249,7 +249,7 @@ class StagedWriter:
         self._relations.forget_before(self._base)
 
     def _stage(
-        self, data: builtins.bytes | memoryview, ends: pa.Array, ts: pa.Array, xids: pa.Array, lsns: pa.Array
+        self, data: builtins.bytes | bytearray, ends: pa.Array, ts: pa.Array, xids: pa.Array, lsns: pa.Array
     ) -> None:
         """Upload the staged files of these rows (``data``: the messages back to back, each ending at
         its ``ends`` offset; at most ``max_rows``; the first is row ``self._base``), with each row's
