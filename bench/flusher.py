@@ -4,23 +4,26 @@
 
 On a throwaway cluster: ``pgbench -i``, the pipeline's snapshot of the four pgbench tables (it creates
 the publication and our pgoutput slot; ``pgbench_history`` gets a ``bigserial`` key first, since the
-pipeline mirrors only tables with a primary key), two more pgoutput slots at that point, then a fixed
+pipeline mirrors only tables with a primary key), four more pgoutput slots at that point, then a fixed
 TPC-B load (``pgbench -n -c 2 -t N``) with nobody consuming, so the WAL accumulates. Then:
 
 1. the count: ``pg_logical_slot_peek_binary_changes`` on one extra slot up to the end of the load gives
    the number of row changes (Insert, Update and Delete messages); every rate uses that number. It is
-   also timed: the server's decoding of the same WAL alone (no wire, no client), a limit that does not
-   depend on how much CPU a client's walsender spends (pg_recvlogical's spends about 3x ours);
+   also timed, with the CPU of the backend that runs it: the server's decoding of the same WAL alone (no
+   wire, no client), a limit that does not depend on how much CPU a client's walsender spends (the
+   target: the flusher at >= 0.35 of its rate);
 2. the limit: ``pg_recvlogical --start`` (pgoutput, same publication) drains another extra slot to
    ``--endpos`` into /dev/null: the walsender's decoding plus the wire, with nothing done client side;
    it runs once before ours and once after, on two slots, and their mean time is the limit (the
    machine's other load drifts; bracketing the flusher run compares like with like);
 3. ours: ``Pipeline.stream(until_caught_up=True)`` drains our slot: decode, buffer, Parquet, file://
-   staging, registration in the coordination tables, acknowledgement.
+   staging, registration in the coordination tables, acknowledgement;
+4. pg_recvlogical once more, on a third slot, with pgoutput's ``binary`` option: not a limit, only what
+   binary tuple data would save the walsender (the ``why:`` line says why the flusher stays on text).
 
-Besides the rates it samples the CPU seconds of the walsender (from /proc) and of the client, and the
-machine's busy share, so a shortfall can be explained (for example two cores shared by the server,
-the client and whatever else runs).
+Besides the rates it samples the CPU seconds of the walsender (from /proc/PID/stat while it lives) and
+of the client, each also per change, and the machine's busy share, so a shortfall can be explained
+(for example two cores shared by the server, the client and whatever else runs).
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ from .common import (
 
 TABLES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_tellers", "public.pgbench_history"]
 LIMIT_SLOTS = ("bench_recvlogical_before", "bench_recvlogical_after")
+BINARY_SLOT = "bench_recvlogical_binary"
 COUNT_SLOT = "bench_count"
+TARGET_VS_DECODING = 0.35
 CLIENTS = 2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -147,7 +152,7 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
         seconds, _ = timed(pipeline.snapshot)
     facts["snapshot_seconds"] = round(seconds, 1)
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
-        for slot in (*LIMIT_SLOTS, COUNT_SLOT):
+        for slot in (*LIMIT_SLOTS, BINARY_SLOT, COUNT_SLOT):
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     per_client = max(1, transactions // CLIENTS)
     seconds, _ = timed(lambda: pgbench(pg, "-n", "-c", str(CLIENTS), "-j", str(CLIENTS), "-t", str(per_client)))
@@ -170,10 +175,12 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
     return config, end_lsn, facts
 
 
-def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, float]:
-    """(row changes, pgoutput bytes, seconds) the publication yields up to ``end_lsn``, decoded by the
-    server alone in one SQL call."""
+def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, float, float]:
+    """(row changes, pgoutput bytes, seconds, CPU seconds of the backend) the publication yields up to
+    ``end_lsn``, decoded by the server alone in one SQL call."""
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        pid = conn.info.backend_pid
+        cpu = process_cpu_seconds(pid)
         started = time.perf_counter()
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE get_byte(data, 0) IN (73, 85, 68)), coalesce(sum(octet_length(data)), 0) "
@@ -182,18 +189,21 @@ def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, fl
             (COUNT_SLOT, format_lsn(end_lsn), publication),
         ).fetchone()
         seconds = time.perf_counter() - started
+        cpu = process_cpu_seconds(pid) - cpu
         conn.execute("SELECT pg_drop_replication_slot(%s)", (COUNT_SLOT,))
     assert row is not None
-    return int(row[0]), int(row[1]), seconds
+    return int(row[0]), int(row[1]), seconds, cpu
 
 
-def run_pg_recvlogical(pg: Any, slot: str, publication: str, end_lsn: int) -> Phase:
-    """Drain ``slot`` to ``end_lsn`` into /dev/null with pg_recvlogical."""
+def run_pg_recvlogical(pg: Any, slot: str, publication: str, end_lsn: int, binary: bool = False) -> Phase:
+    """Drain ``slot`` to ``end_lsn`` into /dev/null with pg_recvlogical (``binary``: pgoutput's binary
+    tuple data, PostgreSQL 14+)."""
     command = [
         pg_tool("pg_recvlogical"),
         *("-h", "127.0.0.1", "-p", str(pg.port), "-U", pg.superuser, "-d", SOURCE_DB),
         *("--slot", slot, "--start", "--no-loop", "-F", "0", "-f", "/dev/null"),
         *("-o", "proto_version=1", "-o", f"publication_names={publication}", "--endpos", format_lsn(end_lsn)),
+        *(("-o", "binary=true") if binary else ()),
     ]
     with Phase(pg.conninfo(SOURCE_DB), slot) as phase:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -212,51 +222,65 @@ def main() -> None:
         {"scale": args.scale, "transactions": args.transactions, "clients": CLIENTS},
         [
             *("run", "changes", "seconds", "changes_per_s", "files", "bytes", "mb_per_s"),
-            *("client_cpu_s", "walsender_cpu_s", "others_cpu_s", "machine_busy"),
+            *("client_cpu_s", "client_us_per_change", "walsender_cpu_s", "walsender_us_per_change"),
+            *("others_cpu_s", "machine_busy"),
         ],
     )
     with work_dir(args.dir) as root, bench_cluster(root, {"max_wal_size": "8GB"}) as pg:
         config, end_lsn, facts = prepare(pg, root, args.scale, args.transactions)
         publication = config.replication.publication
-        changes, wire_bytes, decoding_seconds = count_changes(pg, publication, end_lsn)
+        changes, wire_bytes, decoding_seconds, decoding_cpu = count_changes(pg, publication, end_lsn)
         report.parameters.update(facts, changes=changes, pgoutput_bytes=wire_bytes, end_lsn=format_lsn(end_lsn))
-        report.add(
-            "server decoding alone (peek)", changes, round(decoding_seconds, 2), round(changes / decoding_seconds),
-            "-", wire_bytes, round(wire_bytes / decoding_seconds / 1e6, 1), "-", "-", "-", "-",
-        )  # fmt: skip
 
+        def us(seconds: float) -> float:
+            return round(seconds / changes * 1e6, 2)
+
+        report.add(
+            "server decoding alone (peek; its backend's CPU)", changes, round(decoding_seconds, 2),
+            round(changes / decoding_seconds), "-", wire_bytes, round(wire_bytes / decoding_seconds / 1e6, 1),
+            "-", "-", round(decoding_cpu, 2), us(decoding_cpu), "-", "-",
+        )  # fmt: skip
         limits = [run_pg_recvlogical(pg, LIMIT_SLOTS[0], publication, end_lsn)]
         with Pipeline(config) as pipeline:
             pipeline.validate()  # startup checks are not part of the throughput
             with Phase(pg.conninfo(SOURCE_DB), config.replication.slot) as ours:
                 stats = pipeline.stream(until_caught_up=True)
         limits.append(run_pg_recvlogical(pg, LIMIT_SLOTS[1], publication, end_lsn))
+        binary = run_pg_recvlogical(pg, BINARY_SLOT, publication, end_lsn, binary=True)
         if stats.changes != changes:
             raise RuntimeError(f"the flusher staged {stats.changes} changes, the server decoded {changes}")
-        for name, limit in zip(("pg_recvlogical (before)", "pg_recvlogical (after)"), limits, strict=True):
+        names = ("pg_recvlogical (before)", "pg_recvlogical (after)", "pg_recvlogical, binary (not a limit)")
+        for name, limit in zip(names, [*limits, binary], strict=True):
             report.add(
                 name, changes, round(limit.seconds, 2), round(changes / limit.seconds), "-", wire_bytes,
-                round(wire_bytes / limit.seconds / 1e6, 1), round(limit.child_cpu, 2),
-                round(limit.walsender.seconds, 2), round(limit.others_cpu, 2), f"{limit.busy_share:.0%}",
+                round(wire_bytes / limit.seconds / 1e6, 1), round(limit.child_cpu, 2), us(limit.child_cpu),
+                round(limit.walsender.seconds, 2), us(limit.walsender.seconds), round(limit.others_cpu, 2),
+                f"{limit.busy_share:.0%}",
             )  # fmt: skip
         report.add(
             "flusher", changes, round(ours.seconds, 2), round(changes / ours.seconds), stats.files, stats.bytes,
-            round(stats.bytes / ours.seconds / 1e6, 1), round(ours.client_cpu, 2), round(ours.walsender.seconds, 2),
-            round(ours.others_cpu, 2), f"{ours.busy_share:.0%}",
+            round(stats.bytes / ours.seconds / 1e6, 1), round(ours.client_cpu, 2), us(ours.client_cpu),
+            round(ours.walsender.seconds, 2), us(ours.walsender.seconds), round(ours.others_cpu, 2),
+            f"{ours.busy_share:.0%}",
         )  # fmt: skip
     limit_seconds = sum(limit.seconds for limit in limits) / len(limits)
     # Same change count: the ratio of rates is the inverse ratio of the times.
     ratio = limit_seconds / ours.seconds
     report.ratio("flusher_vs_pg_recvlogical", ratio, 0.8)
     # The server decodes for us as it does for the peek, so this is how close to the decoder we get.
-    report.ratio("flusher_vs_server_decoding", decoding_seconds / ours.seconds)
-    report.parameters["cpu_us_per_change"] = breakdown = cpu_breakdown(limits, ours, stats.stage_seconds, changes)
+    report.ratio("flusher_vs_server_decoding", decoding_seconds / ours.seconds, TARGET_VS_DECODING)
+    breakdown = cpu_breakdown(limits, binary, ours, stats.stage_seconds, changes)
+    breakdown["server_decoding_alone_wall"] = us(decoding_seconds)
+    breakdown["server_decoding_alone_cpu"] = us(decoding_cpu)
+    report.parameters["cpu_us_per_change"] = breakdown
     report.parameters["why"] = explain(breakdown, ours, ratio)
     report.emit(args.json)
     print(f"why: {report.parameters['why']}")
 
 
-def cpu_breakdown(limits: list[Phase], ours: Phase, stage_seconds: float, changes: int) -> dict[str, float]:
+def cpu_breakdown(
+    limits: list[Phase], binary: Phase, ours: Phase, stage_seconds: float, changes: int
+) -> dict[str, float]:
     """CPU microseconds per change of each process in each run (the limit's: the mean of its runs)."""
 
     def per_change(seconds: float) -> float:
@@ -264,6 +288,7 @@ def cpu_breakdown(limits: list[Phase], ours: Phase, stage_seconds: float, change
 
     return {
         "walsender_for_pg_recvlogical": per_change(sum(p.walsender.seconds for p in limits) / len(limits)),
+        "walsender_for_pg_recvlogical_binary": per_change(binary.walsender.seconds),
         "pg_recvlogical": per_change(sum(p.child_cpu for p in limits) / len(limits)),
         "walsender_for_flusher": per_change(ours.walsender.seconds),
         "flusher": per_change(ours.client_cpu),
@@ -273,21 +298,37 @@ def cpu_breakdown(limits: list[Phase], ours: Phase, stage_seconds: float, change
 
 
 def explain(cpu: dict[str, float], ours: Phase, ratio: float) -> str:
-    """Which process bounds the flusher run, from the CPU each one spent per change."""
+    """Which process bounds the flusher run, from the CPU each one spent per change; the ceiling of the
+    ratio to the server's decoding alone that those CPU costs leave on this machine; why binary
+    pgoutput is not used."""
     bound = "the flusher" if cpu["flusher"] > cpu["walsender_for_flusher"] else "the walsender"
+    cores = os.cpu_count() or 1
+    walsender, client, decoding = cpu["walsender_for_flusher"], cpu["flusher"], cpu["server_decoding_alone_cpu"]
+    # Server and client work in parallel: a run takes at least the busier one's CPU time, and at least
+    # both together spread over every core. On a quiet machine the peek takes its backend's CPU time.
+    floor = max(walsender, client, (walsender + client) / cores)
     text = (
-        f"per change, the walsender spent {cpu['walsender_for_pg_recvlogical']} us of CPU decoding for "
-        f"pg_recvlogical and {cpu['walsender_for_flusher']} us for the flusher; the flusher process spent "
-        f"{cpu['flusher']} us ({cpu['flusher_staging']} us decoding, encoding and uploading staged files, "
-        f"{cpu['flusher_receiving_and_rest']} us receiving through libpq, buffering and registering). Server "
-        f"and client run in parallel on {os.cpu_count()} cores shared with everything else on the machine "
-        f"(busy {ours.busy_share:.0%} during the flusher run, {ours.others_cpu:.2f} s of CPU taken by other "
-        f"processes), so {bound} bounds the run"
+        f"per change, the server decoding alone took {cpu['server_decoding_alone_wall']} us "
+        f"({decoding} us of its backend's CPU); the walsender spent {cpu['walsender_for_pg_recvlogical']} us of "
+        f"CPU decoding and sending for pg_recvlogical and {walsender} us for the flusher (a send() to the socket "
+        f"per message, 1.5 messages a TPC-B change, which the peek does not make); the flusher process spent "
+        f"{client} us ({cpu['flusher_staging']} us decoding, encoding and uploading staged files, "
+        f"{cpu['flusher_receiving_and_rest']} us receiving through libpq, buffering and registering). Server and "
+        f"client run in parallel on {cores} cores shared with everything else on the machine (busy "
+        f"{ours.busy_share:.0%} during the flusher run, {ours.others_cpu:.2f} s of CPU taken by other processes), "
+        f"so {bound} bounds the run: at best max({walsender}, {client}, ({walsender} + {client}) / {cores}) = "
+        f"{floor:.2f} us a change, a ratio to the server's decoding alone of at most {decoding / floor:.2f}; the "
+        f"walsender alone, with a client that cost nothing, caps it at {decoding / walsender:.2f} (target "
+        f"{TARGET_VS_DECODING}). Binary pgoutput is not used: the walsender spent "
+        f"{cpu['walsender_for_pg_recvlogical_binary']} us a change with it (pg_recvlogical, against "
+        f"{cpu['walsender_for_pg_recvlogical']} in text), and the staged log holds each value's PostgreSQL text "
+        "form, so the client would have to re-create the output function of every mapped type exactly (numeric, "
+        "floats, timestamps under the session's DateStyle and TimeZone, intervals, arrays, ranges, geometry)"
     )
     if ratio < 0.8:
         text += (
-            "; below target: the flusher's CPU per change exceeds the walsender's, or other load took "
-            "the cores (compare machine_busy)"
+            "; below the pg_recvlogical target: the flusher's CPU per change exceeds the walsender's, or other "
+            "load took the cores (compare machine_busy)"
         )
     return text
 

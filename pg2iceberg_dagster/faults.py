@@ -50,6 +50,11 @@ _armed = _parse(os.environ.get(CRASH_ENV))
 _hits: dict[str, int] = {}
 
 
+def armed(name: str) -> bool:
+    """Whether this run may die at crash point ``name`` (a hot loop skips its calls when not)."""
+    return _armed is not None and _armed[0] == name
+
+
 def crash_point(name: str) -> None:
     """Die here (SIGKILL) when this point is armed and reached for the armed number of times."""
     if _armed is None or _armed[0] != name:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import struct
 from datetime import UTC, datetime, timedelta
 
+import pyarrow.parquet as pq
 import pytest
 
 from pg2iceberg_dagster.config import FlushConfig, StagingConfig
@@ -15,7 +17,7 @@ from pg2iceberg_dagster.flusher.window import RelationLog, StagedWriter
 from pg2iceberg_dagster.source import pgoutput
 from pg2iceberg_dagster.source.catalog import PgType, SourceColumn, SourceTable
 from pg2iceberg_dagster.source.pgoutput import UNCHANGED, DecodeError
-from pg2iceberg_dagster.source.replication import ReplicationStream
+from pg2iceberg_dagster.source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
 from pg2iceberg_dagster.staging import codec
 from pg2iceberg_dagster.staging.codec import TRUNCATE, Change, StagedRelation
 from pg2iceberg_dagster.staging.store import ObjectStore, table_location
@@ -185,25 +187,57 @@ def test_writer_spills_splits_and_keeps_each_tables_order(tmp_path: object) -> N
     assert all(f.first_lsn == changes[0].lsn and f.flushable_lsn == changes[-1].lsn for f, _, changes in staged)
 
 
-def test_read_batch_views_stay_valid_after_later_reads(source: SourceDb) -> None:
-    """The stream keeps psycopg's views of libpq's buffers uncopied until staging: later reads must not
-    overwrite what earlier ones returned."""
+def test_staged_files_record_each_transactions_commit_lsn(tmp_path: object) -> None:
+    """Each staged file names every transaction of its rows once, in the order they came, with its
+    commit LSN, written as json.dumps writes that object; transactions with no row of the table are
+    not named, and a window of many small transactions stages them all."""
+    other = SourceTable("public.u", "public", "u", 2, COLUMNS, ("id",), "d")
+    other_info = RelationInfo(other, StagedRelation("public.u", COLUMNS), {c.name: i for i, c in enumerate(COLUMNS)})
+    store = ObjectStore(StagingConfig(url=f"file://{tmp_path}/staging"))
+    relations = RelationLog()
+    locations = {"public.t": table_location("public.t"), "public.u": table_location("public.u")}
+    writer = StagedWriter(store, FlushConfig(), relations, locations)
+    relations.describe(1, writer.next_seq, INFO)
+    relations.describe(2, writer.next_seq, other_info)
+    lsn = iter(range(100, 100_000))
+    expected: dict[int, dict[str, int]] = {1: {}, 2: {}}
+    for xid in range(5_000_000_000, 5_000_000_300):
+        oids = [1, 2] if xid % 3 == 0 else [2] if xid % 3 == 1 else [1, 1]
+        for oid in oids:
+            writer.add(xlog_data(next(lsn), _insert(oid, next(lsn), "v")))
+            expected[oid][str(xid)] = 7_000 + xid
+        writer.commit(1_000 + xid, xid, 7_000 + xid)
+    writer.commit(9_999, 1, 9_999)  # no rows: named nowhere
+    files = writer.finish()
+    assert len(files) == 2
+    for staged in files:
+        metadata = pq.read_schema(io.BytesIO(store.get(staged.path))).metadata
+        oid = 1 if staged.table_name == "public.t" else 2
+        assert metadata[codec.COMMIT_LSNS_METADATA_KEY] == json.dumps(expected[oid]).encode()
+
+
+def test_read_batch_returns_every_message_whole_and_in_order(source: SourceDb) -> None:
+    """Batches of the stream, read a few at a time, hold every WAL data message whole, in log order:
+    each insert decodes to its row, the rows in the order they were written."""
     source.execute("CREATE TABLE public.t (id int PRIMARY KEY, v text)")
     source.execute("CREATE PUBLICATION p FOR TABLE public.t")
-    slot = f"views_{source.name}"
+    slot = f"batches_{source.name}"
     source.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     for start in range(1, 3001, 100):
         source.execute(
             "INSERT INTO public.t SELECT g, repeat(g::text, g %% 7) FROM generate_series(%s::int, %s::int) g",
             (start, start + 99),
         )
-    views: list[memoryview] = []
-    copies: list[bytes] = []
+    messages: list[bytes] = []
     config = source.config(["public.t"])
     with ReplicationStream(config.source, slot, "p", 0) as stream:
-        while len(views) < 3000 + 2 * 30:
+        while len(messages) < 3000 + 2 * 30:
             batch = stream.read_batch(5.0, limit=50)
             assert batch, "the stream went quiet before every change arrived"
-            views += batch
-            copies += [bytes(view) for view in batch]
-    assert [bytes(view) for view in views] == copies
+            messages += batch
+    inserts = [pgoutput.decode(m[XLOG_HEADER:]) for m in messages if m[XLOG_HEADER] == ord("I")]
+    assert [tuple(i.new) for i in inserts if isinstance(i, pgoutput.Insert)] == [
+        (str(g), str(g) * (g % 7)) for g in range(1, 3001)
+    ]
+    starts = [xlog_data_start(m) for m in messages if m[XLOG_HEADER] == ord("I")]
+    assert starts == sorted(starts)

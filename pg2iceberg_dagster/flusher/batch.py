@@ -20,7 +20,7 @@ import functools
 import itertools
 import json
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +113,8 @@ def encode_segment(
 ) -> EncodedSegment:
     """pgoutput row messages of one table in log order (with their LSNs, commit times in Unix
     microseconds and xids) -> the staged Parquet file. A key change stages two rows for one message."""
-    batch = MessageBatch([xlog_data(lsn, payload) for lsn, payload in zip(lsns, payloads, strict=True)], ts, xids)
+    messages = [xlog_data(lsn, payload) for lsn, payload in zip(lsns, payloads, strict=True)]
+    batch = MessageBatch.of_messages(messages, ts, xids)
     return batch.encode(info, _arange(len(payloads)))
 
 
@@ -158,38 +159,46 @@ class MessageBatch:
     of :data:`XLOG_HEADER` bytes, then the pgoutput payload): their LSN is read here, in bulk too.
     """
 
-    def __init__(self, messages: Sequence[bytes | memoryview], ts: Sequence[int], xids: Sequence[int]) -> None:
-        self.messages = messages
-        self.buffer = pa.py_buffer(b"".join(messages) + _PADDING)
+    def __init__(
+        self,
+        data: bytes | bytearray,
+        ends: pa.Array,
+        ts: pa.Array,
+        xids: pa.Array,
+        commit_lsns: pa.Array | None = None,
+    ) -> None:
+        """``data``: the messages back to back (copied here), each ending at its ``ends`` offset; per
+        message its transaction's commit time (Unix microseconds), xid and, when known, commit LSN
+        (all int64 arrays)."""
+        self.buffer = pa.py_buffer(b"".join((data, _PADDING)))
         self.bytes = pa.Array.from_buffers(pa.uint8(), self.buffer.size, [None, self.buffer])
-        bounds = list(itertools.accumulate(map(len, messages), initial=0))
-        message_starts = pa.array(bounds[:-1], pa.int64())
+        self.ends = ends
+        message_starts = pa.concat_arrays([pa.array([0], pa.int64()), ends[:-1]]) if len(ends) else ends
         self.starts = pc.add(message_starts, XLOG_HEADER)  # of the payloads
-        self.ends = pa.array(bounds[1:], pa.int64())
         self.lsn = self.int_at(pc.add(message_starts, 1), 8)
-        self.ts, self.xids = ts, xids
-        self.ts_array, self.xid = pa.array(ts, pa.int64()), pa.array(xids, pa.int64())
+        self.ts, self.xid, self.commit_lsns = ts, xids, commit_lsns
+
+    @classmethod
+    def of_messages(cls, messages: Sequence[bytes], ts: Sequence[int], xids: Sequence[int]) -> MessageBatch:
+        """A batch of separate messages, with each one's commit time and xid (commit LSNs unknown)."""
+        ends = pa.array(itertools.accumulate(map(len, messages)), pa.int64())
+        return cls(b"".join(messages), ends, pa.array(ts, pa.int64()), pa.array(xids, pa.int64()))
 
     def __len__(self) -> int:
-        return len(self.messages)
+        return len(self.ends)
 
     def payload(self, row: int) -> bytes:
-        return bytes(self.messages[row][XLOG_HEADER:])
+        start = self.starts[row].as_py()
+        return self.buffer[start : self.ends[row].as_py()].to_pybytes()
 
     def relation_oids(self) -> pa.Array:
         """The relation OID of every message (row messages and TRUNCATE markers carry it after the tag)."""
         return self.int_at(pc.add(self.starts, 1), 4)
 
-    def encode(
-        self,
-        info: RelationInfo,
-        rows: pa.Array,
-        complete: CompleteRows | None = None,
-        commit_lsns: Mapping[int, int] | None = None,
-    ) -> EncodedSegment:
+    def encode(self, info: RelationInfo, rows: pa.Array, complete: CompleteRows | None = None) -> EncodedSegment:
         """The staged file of ``rows`` (indices of messages of ``info``'s table, ascending); ``complete``
         adds the values the stream does not send (required for a table with generated columns or a row
-        filter, see :data:`CompleteRows`); ``commit_lsns``: each transaction's commit LSN by xid."""
+        filter, see :data:`CompleteRows`)."""
         columns = _Decoder(self, info, rows).columns()
         if info.generated is not None or info.table.row_filter:
             if complete is None:
@@ -197,14 +206,22 @@ class MessageBatch:
             columns = complete(info, columns)
         lsns = pc.take(self.lsn, rows)
         op, lsn, ts, xid, unchanged, payload = columns
-        data = encode_columns(info.staged_relation, op, lsn, ts, xid, unchanged, payload, commit_lsns)
+        data = encode_columns(info.staged_relation, op, lsn, ts, xid, unchanged, payload, self._commits(rows))
         return EncodedSegment(
             data=data,
             rows=len(columns[0]),
             first_lsn=lsns[0].as_py(),
             last_lsn=pc.max(lsns).as_py(),
-            first_commit_us=pc.min(pc.take(self.ts_array, rows)).as_py(),
+            first_commit_us=pc.min(pc.take(self.ts, rows)).as_py(),
         )
+
+    def _commits(self, rows: pa.Array) -> tuple[pa.Array, pa.Array] | None:
+        """The xids of ``rows``' transactions (in order of first appearance) and their commit LSNs."""
+        if self.commit_lsns is None:
+            return None
+        xids = pc.take(self.xid, rows)
+        unique = pc.unique(xids)
+        return unique, pc.take(pc.take(self.commit_lsns, rows), pc.index_in(unique, value_set=xids))
 
     def byte_at(self, positions: pa.Array) -> pa.Array:
         return pc.take(self.bytes, positions)
@@ -334,7 +351,7 @@ class _Decoder:
         is_truncate = pc.and_(
             pc.equal(tag, _TRUNCATE), pc.equal(pc.subtract(self.ends, self.starts), _TRUNCATE_PAYLOAD)
         )
-        lsn, ts, xid = (pc.take(values, self.rows) for values in (batch.lsn, batch.ts_array, batch.xid))
+        lsn, ts, xid = (pc.take(values, self.rows) for values in (batch.lsn, batch.ts, batch.xid))
         groups: list[list[pa.Array]] = []  # each: order, op, lsn, ts, xid, unchanged, data
         leftover = pc.invert(pc.or_(pc.or_(is_new, is_delete), is_truncate))
         for mask, kind_of_group in ((is_new, "new"), (is_delete, "delete"), (is_truncate, "truncate")):
@@ -385,8 +402,8 @@ class _Decoder:
                         row * 2 + sub,
                         op,
                         batch.lsn[at].as_py(),
-                        batch.ts[at],
-                        batch.xids[at],
+                        batch.ts[at].as_py(),
+                        batch.xid[at].as_py(),
                         join_names(unchanged) if unchanged else None,
                         json.dumps(data, separators=(",", ":"), ensure_ascii=False),
                     )

@@ -21,7 +21,7 @@ from ..config import PipelineConfig
 from ..coordination.protocol import StagedLogStore
 from ..coordination.records import StagedFile
 from ..errors import StartupCheckError
-from ..faults import crash_point
+from ..faults import armed, crash_point
 from ..source import pgoutput
 from ..source.catalog import (
     SourceTable,
@@ -196,18 +196,22 @@ class Flusher:
             self._consume(run, messages)
             run.writer.bound()  # the open transaction spills past txn_memory_bytes
 
-    def _consume(self, run: _RunState, messages: list[memoryview]) -> None:
+    def _consume(self, run: _RunState, messages: list[bytes]) -> None:
         """Stage one batch of WAL data messages; stops early (``run.stopping``) at a commit that ends the run.
 
         Messages after that commit in the batch are dropped unacknowledged: the next run receives them again.
         """
         # Locals for the per-message loop: it runs hundreds of thousands of times a second.
-        append, header, row_tags, crash = run.writer.pending.append, XLOG_HEADER, _ROW_TAGS, crash_point
+        data, ends = run.writer.pending
+        extend, end, header, row_tags = data.extend, ends.append, XLOG_HEADER, _ROW_TAGS
+        crash = armed("flusher.mid_transaction")
         for message in messages:
             tag = message[header]
             if tag in row_tags:
-                append(message)  # kept as received: decoded in bulk when staged
-                crash("flusher.mid_transaction")
+                extend(message)  # kept as received: decoded in bulk when staged
+                end(len(data))
+                if crash:
+                    crash_point("flusher.mid_transaction")
             elif tag == _BEGIN:
                 _, run.commit_ts, run.xid = pgoutput.begin_fields(message, XLOG_HEADER)
                 run.in_transaction = True
@@ -218,7 +222,7 @@ class Flusher:
             else:
                 self._describe(run, message)
 
-    def _commit(self, run: _RunState, message: memoryview) -> None:
+    def _commit(self, run: _RunState, message: bytes) -> None:
         """End the open transaction: stage it (unless a run before this one registered it already), then
         flush if due, or mark the run as stopping if this commit reaches its deadline or target."""
         run.in_transaction = False
@@ -235,16 +239,16 @@ class Flusher:
         elif self._flush_due(run, now):
             self._flush(run)
 
-    def _describe(self, run: _RunState, message: memoryview) -> None:
+    def _describe(self, run: _RunState, message: bytes) -> None:
         """Handle a message other than a row change, Begin or Commit: a Relation describes a table's
         columns from the next row on; a Truncate becomes one marker row per truncated table."""
-        decoded = pgoutput.decode(bytes(message[XLOG_HEADER:]))
+        decoded = pgoutput.decode(message[XLOG_HEADER:])
         if isinstance(decoded, pgoutput.Relation):
             run.relations.describe(decoded.oid, run.writer.next_seq, self._relation_info(decoded))
         elif isinstance(decoded, pgoutput.Truncate):
             lsn = xlog_data_start(message)
             for oid in decoded.relation_oids:
-                run.writer.pending.append(truncate_marker(lsn, oid))
+                run.writer.add(truncate_marker(lsn, oid))
                 crash_point("flusher.mid_transaction")
 
     def _on_silence(self, run: _RunState) -> None:

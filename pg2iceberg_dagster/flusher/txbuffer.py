@@ -37,7 +37,7 @@ class SpillFile:
             "flush.spill_dir at a larger disk"
         )
 
-    def add(self, message: bytes | memoryview) -> None:
+    def add(self, message: bytes | bytearray) -> None:
         try:
             self._file.write(_ENTRY.pack(len(message)))
             self._file.write(message)
@@ -46,14 +46,14 @@ class SpillFile:
         self.count += 1
         crash_point("flusher.during_spill")
 
-    def chunks(self, max_rows: int, max_bytes: int) -> Iterator[list[bytes | memoryview]]:
+    def chunks(self, max_rows: int, max_bytes: int) -> Iterator[list[bytes]]:
         """The messages in order, at most ``max_rows`` and about ``max_bytes`` at a time."""
         try:
             self._file.flush()
         except OSError as exc:
             raise self._failed(exc) from exc
         self._file.seek(0)
-        messages: list[bytes | memoryview] = []
+        messages: list[bytes] = []
         size = 0
         while header := self._file.read(_ENTRY.size):
             (length,) = _ENTRY.unpack(header)

@@ -1,16 +1,20 @@
 """The row messages between two flushes, in log order, and how they become staged files.
 
-Every row message goes into one list whole, as received (its LSN is in its header): per message
-nothing is decoded, looked up or sorted by table (that cost more than the server's own decoding). At
-COMMIT the transaction's rows get its commit time and xid; at a flush the committed rows are split by
-relation OID and decoded in bulk (:mod:`.batch`), ``max_rows`` at a time, into one staged file per
-table. Rows of the open transaction wait for the next flush; past ``txn_memory_bytes`` they move to a
-spill file and are staged from it, in bounded chunks, at their COMMIT.
+Every row message is copied whole, as received (its LSN is in its header), to the end of one
+buffer, and its end offset to a list: per message nothing is decoded, looked up or sorted by table
+(that cost more than the server's own decoding), and no Python object outlives the batch it came in
+(a window of hundreds of thousands of views of libpq's buffers made the garbage collector walk them
+all, again and again: half the flusher's CPU). At COMMIT the transaction's row count, commit time,
+xid and commit LSN are recorded once; at a flush the committed rows are split by relation OID and
+decoded in bulk (:mod:`.batch`), ``max_rows`` at a time, into one staged file per table. Rows of
+the open transaction wait for the next flush; past ``txn_memory_bytes`` they move to a spill file
+and are staged from it, in bounded chunks, at their COMMIT.
 """
 
 from __future__ import annotations
 
 import builtins
+import itertools
 import time
 from collections.abc import Mapping
 
@@ -23,9 +27,8 @@ from ..staging.store import ObjectStore, staged_file_key
 from .batch import CompleteRows, MessageBatch, RelationInfo
 from .txbuffer import SpillFile
 
-# What one buffered message costs beyond its bytes: the memoryview, the libpq buffer object holding
-# the bytes, the allocator's header and the list slot.
-ENTRY_OVERHEAD = 256
+# What one buffered message costs beyond its bytes: the int of its end offset and its list slot.
+ENTRY_OVERHEAD = 40
 
 
 class RelationLog:
@@ -96,16 +99,16 @@ class StagedWriter:
         self._memory_bytes = flush.txn_memory_bytes
         self._spill_dir = flush.spill_dir
         self._relations = relations
-        self._messages: list[builtins.bytes | memoryview] = []  # whole WAL data messages, as read
-        self._ts: list[int] = []  # of committed rows only: commit time, Unix microseconds
-        self._xids: list[int] = []
-        # Each transaction's commit (end) LSN by xid, for the staged files' change metadata; kept to the flush.
-        self._commit_lsns: dict[int, int] = {}
-        self._committed = 0  # rows at the head of the lists whose transaction committed
-        self._committed_bytes = 0
-        self._counted = 0  # messages whose size is in _open_bytes or _committed_bytes
-        self._open_bytes = 0
-        self._base = 0  # seq of the first row in the lists
+        self._data = bytearray()  # whole WAL data messages, as read, back to back
+        self._ends: list[int] = []  # where each message in _data ends
+        # One entry per committed transaction with rows here: the row count up to its end, then its
+        # commit time (Unix microseconds), xid and commit (end) LSN, for the staged files' columns.
+        self._txn_rows: list[int] = []
+        self._txn_ts: list[int] = []
+        self._txn_xids: list[int] = []
+        self._txn_lsns: list[int] = []
+        self._committed = 0  # rows at the head of the buffer whose transaction committed
+        self._base = 0  # seq of the first row in the buffer
         self._spill: SpillFile | None = None
         self.uploaded: list[StagedFile] = []
         self._uploaded_rows = 0
@@ -115,7 +118,7 @@ class StagedWriter:
     @property
     def next_seq(self) -> int:
         """The number the next row message will get (see :class:`RelationLog`)."""
-        return self._base + len(self._messages) + (self._spill.count if self._spill else 0)
+        return self._base + len(self._ends) + (self._spill.count if self._spill else 0)
 
     @property
     def rows(self) -> int:
@@ -125,57 +128,64 @@ class StagedWriter:
     @property
     def bytes(self) -> int:
         """Their size (for the ``max_bytes`` flush bound)."""
-        return self._committed_bytes + self._uploaded_bytes
+        return self._committed_end() + self._uploaded_bytes
 
     @property
-    def pending(self) -> list[builtins.bytes | memoryview]:
-        """Where the open transaction's row messages (whole WAL data messages) are appended, in order.
+    def pending(self) -> tuple[bytearray, list[int]]:
+        """Where the open transaction's row messages (whole WAL data messages) go, in order: the
+        message is appended to the buffer, then the buffer's new length to the list.
 
-        The stream loop appends to it directly (a method call per message costs more than the append);
-        it calls :meth:`bound` after each batch it read, which keeps the memory bound.
+        The stream loop appends directly (a method call per message costs more than the appends); it
+        calls :meth:`bound` after each batch it read, which keeps the memory bound. Both objects stay
+        the same for the writer's life.
         """
-        return self._messages
+        return self._data, self._ends
 
-    def add(self, message: builtins.bytes | memoryview) -> None:
+    def add(self, message: builtins.bytes) -> None:
         """Append one row message (or TRUNCATE marker) of the open transaction and keep the bound."""
-        self._messages.append(message)
+        self._data += message
+        self._ends.append(len(self._data))
         self.bound()
 
     def bound(self) -> None:
         """Keep the open transaction within ``txn_memory_bytes`` (give or take the batch appended last):
         past it, its messages so far and every later one until COMMIT move to a spill file."""
         if self._spill is None:
-            self._count_open()
-            if self._open_bytes <= self._memory_bytes:
+            if self._open_bytes() <= self._memory_bytes:
                 return
             self._spill = SpillFile(self._spill_dir)
         self._spill_open()
 
-    def _count_open(self) -> None:
-        new = self._messages[self._counted :]
-        self._open_bytes += sum(map(len, new)) + ENTRY_OVERHEAD * len(new)
-        self._counted = len(self._messages)
+    def _committed_end(self) -> int:
+        return self._ends[self._committed - 1] if self._committed else 0
+
+    def _open_bytes(self) -> int:
+        return len(self._data) - self._committed_end() + ENTRY_OVERHEAD * (len(self._ends) - self._committed)
 
     def _spill_open(self) -> None:
         assert self._spill is not None
-        for message in self._messages[self._committed :]:
-            self._spill.add(message)
-        del self._messages[self._committed :]
-        self._counted = self._committed
-        self._open_bytes = 0
+        start = self._committed_end()
+        # Copies, not views: a view alive (in an error's traceback too) would forbid resizing the buffer.
+        for end in self._ends[self._committed :]:
+            self._spill.add(self._data[start:end])
+            start = end
+        self._drop_open()
+
+    def _drop_open(self) -> None:
+        del self._data[self._committed_end() :]
+        del self._ends[self._committed :]
 
     def commit(self, ts: int, xid: int, end_lsn: int = 0) -> None:
         """The open transaction committed at ``ts`` (Unix microseconds) as ``xid``, its commit record
         ending at ``end_lsn``."""
-        self._commit_lsns[xid] = end_lsn
         if self._spill is None:
-            self._count_open()
-            count = len(self._messages) - self._committed
-            self._ts += [ts] * count
-            self._xids += [xid] * count
-            self._committed = self._counted = len(self._messages)
-            self._committed_bytes += self._open_bytes
-            self._open_bytes = 0
+            rows = len(self._ends)
+            if rows > self._committed:
+                self._txn_rows.append(rows)
+                self._txn_ts.append(ts)
+                self._txn_xids.append(xid)
+                self._txn_lsns.append(end_lsn)
+                self._committed = rows
             return
         self._spill_open()
         # Staged files of a table are registered in list order: what came before goes first.
@@ -183,16 +193,16 @@ class StagedWriter:
         spill, self._spill = self._spill, None
         try:
             for messages in spill.chunks(self._max_rows, self._max_bytes):
-                self._stage(messages, [ts] * len(messages), [xid] * len(messages))
-                self._base += len(messages)
+                count = len(messages)
+                ends = pa.array(itertools.accumulate(map(len, messages)), pa.int64())
+                self._stage(b"".join(messages), ends, *(_repeat(value, count) for value in (ts, xid, end_lsn)))
+                self._base += count
         finally:
             spill.close()
 
     def discard(self) -> None:
         """Forget the open transaction (it was registered before a restart)."""
-        del self._messages[self._committed :]
-        self._counted = self._committed
-        self._open_bytes = 0
+        self._drop_open()
         if self._spill is not None:
             self._spill.close()
             self._spill = None
@@ -205,7 +215,6 @@ class StagedWriter:
     def reset(self) -> None:
         """After a flush registered :attr:`uploaded`."""
         self.uploaded = []
-        self._commit_lsns = {}
         self._uploaded_rows = 0
         self._uploaded_bytes = 0
 
@@ -217,25 +226,39 @@ class StagedWriter:
         count = self._committed
         if count == 0:
             return
+        size = self._committed_end()
+        run_ends = pa.array(self._txn_rows, pa.int64())
+        ts, xids, lsns = (
+            pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(run_ends, pa.array(values, pa.int64())))
+            for values in (self._txn_ts, self._txn_xids, self._txn_lsns)
+        )
         # In chunks of max_rows: a window holding a large transaction is decoded a bounded part at a time.
         for offset in range(0, count, self._max_rows):
             end = min(offset + self._max_rows, count)
-            self._stage(self._messages[offset:end], self._ts[offset:end], self._xids[offset:end])
+            first = self._ends[offset - 1] if offset else 0
+            ends = pc.subtract(pa.array(self._ends[offset:end], pa.int64()), first)
+            rows = (column.slice(offset, end - offset) for column in (ts, xids, lsns))
+            # A copy, not a view (see _spill_open).
+            self._stage(self._data[first : self._ends[end - 1]], ends, *rows)
             self._base += end - offset
-        del self._messages[:count]
-        self._counted -= count
-        self._ts, self._xids = [], []
+        del self._data[:size]
+        self._ends[:] = [at - size for at in self._ends[count:]]
+        for values in (self._txn_rows, self._txn_ts, self._txn_xids, self._txn_lsns):
+            values.clear()
         self._committed = 0
-        self._committed_bytes = 0
         self._relations.forget_before(self._base)
 
-    def _stage(self, messages: list[builtins.bytes | memoryview], ts: list[int], xids: list[int]) -> None:
-        """Upload the staged files of these rows (at most ``max_rows``; the first is row ``self._base``):
-        one per table, or more where a table's description changed among them."""
+    def _stage(
+        self, data: builtins.bytes | bytearray, ends: pa.Array, ts: pa.Array, xids: pa.Array, lsns: pa.Array
+    ) -> None:
+        """Upload the staged files of these rows (``data``: the messages back to back, each ending at
+        its ``ends`` offset; at most ``max_rows``; the first is row ``self._base``), with each row's
+        commit time, xid and commit LSN: one file per table, or more where a table's description
+        changed among them."""
         started = time.thread_time()
-        batch = MessageBatch(messages, ts, xids)
+        batch = MessageBatch(data, ends, ts, xids, lsns)
         oids = batch.relation_oids()
-        files: list[tuple[StagedFile, bytes]] = []
+        files: list[tuple[StagedFile, builtins.bytes]] = []
         for oid in pc.unique(oids).to_pylist():
             rows = pc.indices_nonzero(pc.equal(oids, oid)).cast(pa.int64())
             for info, part in self._relations.pieces(oid, self._base, rows):
@@ -245,18 +268,20 @@ class StagedWriter:
         # All at once (in parallel on S3), before anything is registered: a flush writes a file per table.
         self._store.put_many([(staged.path, data) for staged, data in files])
         self.uploaded += [staged for staged, _data in files]
-        self._uploaded_rows += len(messages)
-        self._uploaded_bytes += sum(map(len, messages))
+        self._uploaded_rows += len(ends)
+        self._uploaded_bytes += len(data)
         self.stage_seconds += time.thread_time() - started
 
     def _encode(self, batch: MessageBatch, info: RelationInfo, rows: pa.Array) -> tuple[StagedFile, builtins.bytes]:
         """The staged file of ``rows`` of one table, and its bytes."""
         table = info.relation.table
-        xids = pc.unique(pc.take(batch.xid, rows)).to_pylist()
-        commits = {xid: self._commit_lsns[xid] for xid in xids if xid in self._commit_lsns}
-        encoded = batch.encode(info, rows, self._complete, commits)
+        encoded = batch.encode(info, rows, self._complete)
         key = staged_file_key(self._locations[table], encoded.last_lsn)
         staged = StagedFile(
             table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn, encoded.first_commit_us
         )
         return staged, encoded.data
+
+
+def _repeat(value: int, count: int) -> pa.Array:
+    return pa.repeat(pa.scalar(value, pa.int64()), count)

@@ -195,20 +195,21 @@ class ReplicationStream:
             if kind == 107:  # 'k'
                 self._keepalive(data)
 
-    def read_batch(self, timeout: float, limit: int = 4096, limit_bytes: int = 4 << 20) -> list[memoryview]:
+    def read_batch(self, timeout: float, limit: int = 4096, limit_bytes: int = 4 << 20) -> list[bytes]:
         """The WAL data messages that arrived, whole ('w', WAL start, WAL end, send time, then the
         pgoutput payload at offset :data:`XLOG_HEADER`): at most ``limit`` or about ``limit_bytes``.
 
         Waits up to ``timeout`` seconds for the first one, not for more: what is already received is
-        returned at once. Empty when nothing arrived. One call serves thousands of messages, and each
-        is returned as libpq handed it over, uncopied: psycopg's view owns the buffer libpq allocated
-        for that message (freed with the view; the pure-Python psycopg copies it into bytes), so it
-        stays valid after later calls.
+        returned at once. Empty when nothing arrived. One call serves thousands of messages, each
+        copied into bytes and libpq's buffer freed at once: psycopg's view of that buffer is an object
+        the garbage collector tracks, bytes are not, and thousands of views alive at a time made it
+        walk every object of the process again and again (as much CPU as everything else the
+        flusher does; the copy costs a fraction of that).
         """
         assert self._conn is not None, "stream is not open"
         pgconn = self._conn.pgconn
         get_copy_data = pgconn.get_copy_data
-        out: list[memoryview] = []
+        out: list[bytes] = []
         append = out.append
         size = 0
         refilled = False
@@ -220,7 +221,7 @@ class ReplicationStream:
                 refilled = False
                 kind = data[0]
                 if kind == 119:  # 'w'
-                    append(data)
+                    append(bytes(data))
                     size += nbytes
                 elif kind == 107:  # 'k'
                     self._keepalive(data)

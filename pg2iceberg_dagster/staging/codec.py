@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -127,17 +127,17 @@ def encode_columns(
     xid: pa.Array,
     unchanged: pa.Array,
     data: pa.Array,
-    commit_lsns: Mapping[int, int] | None = None,
+    commit_lsns: tuple[pa.Array, pa.Array] | None = None,
 ) -> bytes:
     """The six staging columns (Arrow arrays of one length, in log order) -> Parquet bytes.
 
     ``ts`` may also be int64 microseconds since the Unix epoch; ``unchanged`` holds the CSV-joined names
     (null when none) and ``data`` the JSON objects, as :func:`encode` builds them; ``commit_lsns`` the
-    commit LSN of each transaction by xid.
+    xids of the transactions (each once) and their commit LSNs.
     """
     metadata = {RELATION_METADATA_KEY: relation.to_json().encode()}
-    if commit_lsns:
-        metadata[COMMIT_LSNS_METADATA_KEY] = json.dumps({str(x): lsn for x, lsn in commit_lsns.items()}).encode()
+    if commit_lsns is not None and len(commit_lsns[0]):
+        metadata[COMMIT_LSNS_METADATA_KEY] = commit_lsns_json(*commit_lsns)
     table = pa.Table.from_arrays(
         [op, lsn, ts if ts.type == TIMESTAMP else ts.cast(TIMESTAMP), xid, unchanged, data],
         schema=STAGING_SCHEMA.with_metadata(metadata),
@@ -153,6 +153,14 @@ def encode_columns(
         write_statistics=["_op", "_lsn", "_ts", "_xid"],
     )
     return sink.getvalue()
+
+
+def commit_lsns_json(xids: pa.Array, lsns: pa.Array) -> bytes:
+    """``{"xid": lsn, ...}`` as ``json.dumps`` writes it, of these pairs (int64 arrays, each xid once),
+    built by Arrow: a staged file of small transactions names tens of thousands."""
+    pairs = pc.binary_join_element_wise('"', xids.cast(pa.string()), '": ', lsns.cast(pa.string()), "")
+    listed = pa.ListArray.from_arrays(pa.array([0, len(pairs)], pa.int32()), pairs)
+    return b"{" + pc.binary_join(listed, ", ")[0].as_py().encode() + b"}"
 
 
 def read_staged(data: bytes) -> tuple[StagedRelation, pa.Table]:
