@@ -37,6 +37,7 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 import pyarrow.parquet as pq
+from psycopg import sql
 from pyiceberg.io.pyarrow import _get_parquet_writer_kwargs  # pyiceberg is pinned: its writer's options
 
 from pg2iceberg_dagster.config import DEFAULT_TABLE_PROPERTIES
@@ -142,6 +143,7 @@ def floor_cpu(pg: EmbeddedPostgres, root: Path, table: str) -> tuple[float, floa
     writer_options = _get_parquet_writer_kwargs(DEFAULT_TABLE_PROPERTIES)  # what pyiceberg writes with
     decode = encode = 0.0
     with ArrowReader(config.source) as reader:
+        reader.read(sql.SQL("SELECT 1"), None)  # the driver's connection and type catalog: not per row
         for chunk in chunks:
             started = time.process_time()
             rows = unpacked(reader.read(chunk_query(source, chunk, rule), None), source)
