@@ -61,7 +61,35 @@ WIDE_FILL = (
     "FROM generate_series({start}, {stop}) g"
 )
 
-DATASETS = {"narrow": (NARROW_DDL, NARROW_FILL), "wide": (WIDE_DDL, WIDE_FILL)}
+# The public NYC yellow-taxi trip records' 19 columns with their published types (int32 -> integer,
+# int64 -> bigint, double, timestamp, string -> text); generated values in their ranges, NULLs where
+# the real data has them (about 3% of trips carry no passenger count, rate code, flag, surcharges).
+# The data has no key: a vendor's pickup time (unique here) is declared as one.
+TAXI_DDL = (
+    'CREATE TABLE {name} ("VendorID" integer NOT NULL, tpep_pickup_datetime timestamp NOT NULL, '
+    "tpep_dropoff_datetime timestamp, passenger_count bigint, trip_distance double precision, "
+    '"RatecodeID" bigint, store_and_fwd_flag text, "PULocationID" integer, "DOLocationID" integer, '
+    "payment_type bigint, fare_amount double precision, extra double precision, mta_tax double precision, "
+    "tip_amount double precision, tolls_amount double precision, improvement_surcharge double precision, "
+    "total_amount double precision, congestion_surcharge double precision, airport_fee double precision, "
+    'PRIMARY KEY ("VendorID", tpep_pickup_datetime))'
+)
+TAXI_FILL = (
+    "INSERT INTO {name} SELECT 1 + g % 2, t.pickup, t.pickup + (240 + g % 1800) * interval '1 second', "
+    "CASE WHEN t.missing THEN NULL ELSE 1 + g % 4 END, ((g % 2500) / 100.0)::float8, "
+    "CASE WHEN t.missing THEN NULL WHEN g % 50 = 0 THEN 2 ELSE 1 END, "
+    "CASE WHEN t.missing THEN NULL WHEN g % 200 = 0 THEN 'Y' ELSE 'N' END, 1 + g % 265, 1 + (g * 7) % 265, "
+    "CASE WHEN t.missing THEN 0 ELSE 1 + g % 4 END, t.fare, (g % 4) * 0.5, 0.5, t.tip, "
+    "CASE WHEN g % 10 = 0 THEN 6.94 ELSE 0 END, 1.0, "
+    "t.fare + (g % 4) * 0.5 + 0.5 + t.tip + CASE WHEN g % 10 = 0 THEN 6.94 ELSE 0 END + 1.0 "
+    "+ CASE WHEN t.missing THEN 0 ELSE 2.5 END, "
+    "CASE WHEN t.missing THEN NULL ELSE 2.5 END, CASE WHEN t.missing THEN NULL WHEN g % 12 = 0 THEN 1.75 ELSE 0 END "
+    "FROM generate_series({start}, {stop}) g, LATERAL (SELECT "
+    "timestamp '2024-01-01' + g * interval '1 second' + (g % 997) * interval '1 microsecond' AS pickup, "
+    "g % 33 = 0 AS missing, (3 + (g % 7000) / 100.0)::float8 AS fare, ((g % 1500) / 100.0)::float8 AS tip) t"
+)
+
+DATASETS = {"narrow": (NARROW_DDL, NARROW_FILL), "wide": (WIDE_DDL, WIDE_FILL), "taxi": (TAXI_DDL, TAXI_FILL)}
 
 
 def argument_parser(doc: str) -> argparse.ArgumentParser:
@@ -208,6 +236,20 @@ def process_cpu_seconds(pid: int) -> float:
         fields = stat.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     return 0.0
+
+
+def server_cpu_seconds(pg: EmbeddedPostgres) -> float:
+    """User plus system CPU seconds the cluster has used so far: its postmaster, every live backend
+    and every backend that has exited (the postmaster waits for them, so their time is in its own
+    children's fields)."""
+    pid = pg.pid()
+    if pid is None:
+        return 0.0
+    seconds = 0.0
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+        seconds = (int(fields[13]) + int(fields[14])) / _CLOCK_TICKS  # cutime, cstime: exited children
+    return seconds + sum(process_cpu_seconds(process) for process in process_tree(pid))
 
 
 def pg_tool(name: str) -> str:
