@@ -21,12 +21,11 @@ value in row-major order; its number of dimensions rides along for the rule. Arr
 dimension is read as its text form.
 
 The driver spends about as much CPU on each field of a row as on the row itself, whatever its
-size. So in a table with many of them, the 8-byte columns (``smallint``, ``integer`` and ``bigint``
-widened to ``bigint``, ``double precision``, timestamps) travel packed into one ``bytea`` per row:
-their binary send forms, NULLs as zero bytes, after a ``bigint`` of NULL flags. Arrow reverses each
-row's bytes at once (the big-endian values become little-endian, their order reversed) and views the
-rows as fixed-size lists of 64-bit words, one per value, which are the values' exact bits: see
-:func:`unpacked`.
+size. So the 8-byte columns (``smallint``, ``integer`` and ``bigint`` widened to ``bigint``,
+``double precision``, timestamps) travel packed into one ``bytea`` per row: their binary send forms,
+NULLs as zero bytes, after a ``bigint`` of NULL flags. Arrow reverses each row's bytes at once (the
+big-endian values become little-endian, their order reversed) and views the rows as fixed-size lists
+of 64-bit words, one per value, which are the values' exact bits: see :func:`unpacked`.
 """
 
 from __future__ import annotations
@@ -82,11 +81,8 @@ _TEXT_CAST_IS_OUTPUT = {
 }
 _NDIMS_PREFIX = "__pg2iceberg_ndims_"
 # Kinds packed into one bytea per row, with the function that sends each as 8 bytes and the Arrow
-# type the driver decodes it as. At most 63 columns (one bit each of the flags). Packing saves the
-# client about 65 ns a value and costs the server about 25 ns a value plus the row's flags and
-# concatenations: below 8 columns the two together saved nothing (pgbench_accounts' 3: client
-# -0.06 us/row, server +0.03; bench.snapshot's wide table's 6: -0.17, +0.25), so narrower tables
-# are read field by field.
+# type the driver decodes it as. At most 63 columns (one bit each of the flags); fewer than two
+# would save nothing.
 _PACKED = "__pg2iceberg_packed"
 _PACKED_KINDS = {
     "int2": ("int8send", pa.int16()),
@@ -97,7 +93,7 @@ _PACKED_KINDS = {
     "timestamptz": ("timestamptz_send", pa.timestamp("us", tz="UTC")),
 }
 _PACKED_MAX = 63
-_PACKED_MIN = 8
+_PACKED_MIN = 2
 _POSTGRES_EPOCH_US = 946_684_800_000_000  # 2000-01-01, where PostgreSQL's binary timestamps count from
 
 
