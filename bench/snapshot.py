@@ -44,7 +44,7 @@ from pg2iceberg_dagster.config import DEFAULT_TABLE_PROPERTIES
 from pg2iceberg_dagster.embedded import EmbeddedPostgres
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.snapshot.chunks import chunk_query, plan_table_chunks
-from pg2iceberg_dagster.snapshot.reader import ArrowReader, unpacked
+from pg2iceberg_dagster.snapshot.reader import ArrowReader
 from pg2iceberg_dagster.source.catalog import TypeResolver, describe_table
 
 from .common import (
@@ -131,10 +131,9 @@ def median_run(runs: list[Run]) -> Run:
 
 
 def floor_cpu(pg: EmbeddedPostgres, root: Path, table: str) -> tuple[float, float]:
-    """CPU-seconds of this process to decode ``table``'s chunks from binary COPY into Arrow (the
-    snapshot's own chunk queries through the ADBC driver, packed columns unpacked) and to encode them
-    as zstd Parquet the way the tables' writer does (no Iceberg, no commit): the least a snapshot of
-    it can cost here."""
+    """CPU-seconds of this process to decode ``table``'s chunks from binary COPY into Arrow (the ADBC
+    driver alone, the snapshot's own chunk queries) and to encode them as zstd Parquet the way the
+    tables' writer does (no Iceberg, no commit): the least a snapshot of it can cost here."""
     config = bench_config(pg, root, [f"public.{table}"])
     with psycopg.connect(pg.conninfo(SOURCE_DB)) as conn:
         source = describe_table(conn, config.tables[0], TypeResolver(conn))
@@ -146,7 +145,7 @@ def floor_cpu(pg: EmbeddedPostgres, root: Path, table: str) -> tuple[float, floa
         reader.read(sql.SQL("SELECT 1"), None)  # the driver's connection and type catalog: not per row
         for chunk in chunks:
             started = time.process_time()
-            rows = unpacked(reader.read(chunk_query(source, chunk, rule), None), source)
+            rows = reader.read(chunk_query(source, chunk, rule), None)
             decoded = time.process_time()
             pq.write_table(rows, pa.BufferOutputStream(), **writer_options)
             encode += time.process_time() - decoded
@@ -176,7 +175,7 @@ def floor_line(rows: int, workers: int, run: Run, decode: float, encode: float) 
     beyond = run.client_cpu - decode - encode
     return (
         f"taxi, {workers} worker(s), below {TAXI_TARGET / 1e3:.0f}k rows per client CPU-second: the same chunks "
-        f"decoded from binary COPY into Arrow alone (the ADBC driver, packed columns unpacked) took {decode:.2f} CPU-s "
+        f"decoded from binary COPY into Arrow by the ADBC driver alone took {decode:.2f} CPU-s "
         f"({decode / rows * 1e6:.2f} us/row) and their Parquet encoding alone (zstd, the tables' writer options) "
         f"{encode:.2f} CPU-s ({encode / rows * 1e6:.2f} us/row): {rows / (decode + encode) / 1e3:.0f}k rows per "
         f"CPU-second with nothing else, the floor on this machine; the snapshot spent "

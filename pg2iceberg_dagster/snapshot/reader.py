@@ -157,8 +157,7 @@ def packed_columns(source: SourceTable) -> list[SourceColumn]:
 
 def _packed_expression(columns: list[SourceColumn], rule: OutOfRange) -> sql.Composable:
     """One ``bytea`` of ``8 * (1 + len(columns))`` bytes a row: the NULL flags (bit ``i`` for column
-    ``i``; only columns that can be NULL are tested, the server's most costly part), then each
-    value's 8-byte send form (zeros for NULL)."""
+    ``i``), then each value's 8-byte send form (zeros for NULL)."""
     values: list[sql.Composable] = []
     flags: list[sql.Composable] = []
     for bit, column in enumerate(columns):
@@ -166,16 +165,11 @@ def _packed_expression(columns: list[SourceColumn], rule: OutOfRange) -> sql.Com
         send, _ = _PACKED_KINDS[column.type.kind]
         if column.type.kind in ("int2", "int4"):
             value = sql.SQL("({})::pg_catalog.int8").format(value)
-        if not column.not_null or (rule == "null" and column.type.kind in TIME_KINDS):
-            flags.append(sql.SQL("CASE WHEN {} IS NULL THEN {} ELSE 0 END").format(value, sql.Literal(1 << bit)))
+        flags.append(sql.SQL("CASE WHEN {} IS NULL THEN {} ELSE 0 END").format(value, sql.Literal(1 << bit)))
         values.append(
             sql.SQL("COALESCE(pg_catalog.{}({}), {})").format(sql.Identifier(send), value, sql.Literal(bytes(8)))
         )
-    flag_word = (
-        sql.SQL("pg_catalog.int8send(({})::pg_catalog.int8)").format(sql.SQL(" | ").join(flags))
-        if flags
-        else sql.Literal(bytes(8))
-    )
+    flag_word = sql.SQL("pg_catalog.int8send(({})::pg_catalog.int8)").format(sql.SQL(" | ").join(flags))
     return sql.SQL(" || ").join([flag_word, *values])
 
 
