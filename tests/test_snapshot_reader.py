@@ -15,12 +15,11 @@ import pyarrow as pa
 import pytest
 from psycopg import sql
 
-from pg2iceberg_dagster.config import OutOfRange
 from pg2iceberg_dagster.coordination.records import Chunk
 from pg2iceberg_dagster.errors import Pg2IcebergError
 from pg2iceberg_dagster.iceberg.types import arrow_schema, iceberg_schema
 from pg2iceberg_dagster.snapshot.chunks import read_chunk
-from pg2iceberg_dagster.snapshot.reader import ArrowReader, packed_columns
+from pg2iceberg_dagster.snapshot.reader import ArrowReader
 from pg2iceberg_dagster.source.catalog import SourceTable, TypeResolver, describe_table
 from pg2iceberg_dagster.verify import copy_rows
 
@@ -86,43 +85,6 @@ def test_binary_reader_agrees_with_the_text_path_on_awkward_values(source: Sourc
     assert by_id[1]["c_jsonb"] == '{"a": [null, "é"], "b": 1.50}'  # jsonb's own form: keys sorted
     assert by_id[1]["c_interval_array"] == ["1 day", None, "-00:00:01"]
     assert by_id[2]["c_jsonb"] is None and by_id[3]["c_jsonb"] == "null"  # SQL NULL is not JSON null
-
-
-PACKED_TYPES = """
-CREATE TABLE public.packed (
-    id bigint PRIMARY KEY, c_small smallint, c_int integer, c_big bigint, c_double double precision,
-    c_ts timestamp, c_tstz timestamptz, c_real real, c_text text
-);
-INSERT INTO public.packed VALUES
-    (-9223372036854775808, -32768, -2147483648, 9223372036854775807, 'NaN', '4714-11-24 00:00:00 BC',
-     '294276-12-31 23:59:59.999999+00', 1.5, 'a'),
-    (2, 32767, 2147483647, NULL, '-Infinity', 'infinity', '-infinity', NULL, NULL),
-    (3, NULL, NULL, -1, -0.0, NULL, NULL, 'NaN', 'c'),
-    (4, 0, 0, 0, 1e-308, '2000-01-01 00:00:00', '1999-12-31 23:59:59.999999+00', -0.0, ''),
-    (5, NULL, 7, NULL, NULL, '1969-12-31 23:59:59.999999', '2024-06-01 12:00:00.000001+05:30', 3.25, 'e');
-"""
-
-
-@pytest.mark.parametrize("rule", ["clamp", "null"])
-def test_packed_columns_agree_with_the_text_path(source: SourceDb, rule: OutOfRange) -> None:
-    """The 8-byte columns travel packed in one bytea a row: extreme values, NULLs in every position,
-    and dates out of Iceberg's range (clamped or NULL) come out as the text path reads them."""
-    source.execute(PACKED_TYPES)
-    table = _describe(source, "packed")
-    assert [c.name for c in packed_columns(table)] == ["id", "c_small", "c_int", "c_big", "c_double", "c_ts", "c_tstz"]
-    schema = arrow_schema(iceberg_schema(table.columns, table.primary_key))
-    with ArrowReader(source.config(["public.packed"]).source) as reader:
-        binary = read_chunk(reader, table, Chunk("public.packed", 0, 0, None), schema, None, rule)
-    with psycopg.connect(source.conninfo) as conn:
-        text = copy_rows(conn, table, schema, rule)
-    assert binary.schema == text.schema
-    assert _comparable(binary) == _comparable(text)
-    by_id = {row["id"]: row for row in binary.to_pylist()}
-    assert by_id[-9223372036854775808]["c_big"] == 9223372036854775807
-    assert by_id[2]["c_big"] is None and by_id[2]["c_small"] == 32767 and by_id[2]["c_real"] is None
-    assert by_id[3]["c_small"] is None and by_id[3]["c_big"] == -1 and by_id[3]["c_ts"] is None
-    assert by_id[5]["c_int"] == 7 and by_id[5]["c_double"] is None
-    assert (by_id[2]["c_ts"] is None) == (rule == "null")  # infinity: clamped, or NULL
 
 
 def test_a_failed_read_leaves_the_reader_usable(source: SourceDb) -> None:

@@ -19,13 +19,6 @@ into wrong values), numerics on their text in Arrow. The driver flattens a multi
 value in row-major order; its number of dimensions rides along for the rule. Arrays are sliced
 (``a[:]``) to lower bound 1, which the driver requires. An array column declared with more than one
 dimension is read as its text form.
-
-The driver spends about as much CPU on each field of a row as on the row itself, whatever its
-size. So the 8-byte columns (``smallint``, ``integer`` and ``bigint`` widened to ``bigint``,
-``double precision``, timestamps) travel packed into one ``bytea`` per row: their binary send forms,
-NULLs as zero bytes, after a ``bigint`` of NULL flags. Arrow reverses each row's bytes at once (the
-big-endian values become little-endian, their order reversed) and views the rows as fixed-size lists
-of 64-bit words, one per value, which are the values' exact bits: see :func:`unpacked`.
 """
 
 from __future__ import annotations
@@ -36,7 +29,6 @@ import threading
 import adbc_driver_manager
 import adbc_driver_postgresql.dbapi as adbc
 import pyarrow as pa
-import pyarrow.compute as pc
 from psycopg import sql
 
 from ..config import OutOfRange, PostgresConnection
@@ -80,21 +72,6 @@ _TEXT_CAST_IS_OUTPUT = {
     "varbit",
 }
 _NDIMS_PREFIX = "__pg2iceberg_ndims_"
-# Kinds packed into one bytea per row, with the function that sends each as 8 bytes and the Arrow
-# type the driver decodes it as. At most 63 columns (one bit each of the flags); fewer than two
-# would save nothing.
-_PACKED = "__pg2iceberg_packed"
-_PACKED_KINDS = {
-    "int2": ("int8send", pa.int16()),
-    "int4": ("int8send", pa.int32()),
-    "int8": ("int8send", pa.int64()),
-    "float8": ("float8send", pa.float64()),
-    "timestamp": ("timestamp_send", pa.timestamp("us")),
-    "timestamptz": ("timestamptz_send", pa.timestamp("us", tz="UTC")),
-}
-_PACKED_MAX = 63
-_PACKED_MIN = 2
-_POSTGRES_EPOCH_US = 946_684_800_000_000  # 2000-01-01, where PostgreSQL's binary timestamps count from
 
 
 def _output_text(value: sql.Composable) -> sql.Composable:
@@ -149,84 +126,11 @@ def masked_expression(name: sql.Identifier, mask: ColumnMask) -> sql.Composable:
     return _output_text(name)
 
 
-def packed_columns(source: SourceTable) -> list[SourceColumn]:
-    """The columns read packed into one ``bytea`` (see the module docstring), in their order there."""
-    packed = [c for c in source.columns if c.type.kind in _PACKED_KINDS and source.mask_of(c.name) is None]
-    return packed[:_PACKED_MAX] if len(packed) >= _PACKED_MIN else []
-
-
-def _packed_expression(columns: list[SourceColumn], rule: OutOfRange) -> sql.Composable:
-    """One ``bytea`` of ``8 * (1 + len(columns))`` bytes a row: the NULL flags (bit ``i`` for column
-    ``i``), then each value's 8-byte send form (zeros for NULL)."""
-    values: list[sql.Composable] = []
-    flags: list[sql.Composable] = []
-    for bit, column in enumerate(columns):
-        value = _select_expression(sql.Identifier(column.name), column.type, rule)
-        send, _ = _PACKED_KINDS[column.type.kind]
-        if column.type.kind in ("int2", "int4"):
-            value = sql.SQL("({})::pg_catalog.int8").format(value)
-        flags.append(sql.SQL("CASE WHEN {} IS NULL THEN {} ELSE 0 END").format(value, sql.Literal(1 << bit)))
-        values.append(
-            sql.SQL("COALESCE(pg_catalog.{}({}), {})").format(sql.Identifier(send), value, sql.Literal(bytes(8)))
-        )
-    flag_word = sql.SQL("pg_catalog.int8send(({})::pg_catalog.int8)").format(sql.SQL(" | ").join(flags))
-    return sql.SQL(" || ").join([flag_word, *values])
-
-
-def unpacked(decoded: pa.Table, source: SourceTable) -> pa.Table:
-    """``decoded`` with the packed columns as the driver would have decoded them one by one."""
-    columns = packed_columns(source)
-    if not columns:
-        return decoded
-    words = len(columns) + 1
-    restored: list[list[pa.Array]] = [[] for _ in columns]
-    for chunk in decoded.column(_PACKED).chunks:
-        if not len(chunk):
-            continue
-        lengths = pc.min_max(pc.binary_length(chunk))
-        if chunk.null_count or {lengths["min"].as_py(), lengths["max"].as_py()} != {8 * words}:
-            raise Pg2IcebergError(f"{source.key}: a packed row of the snapshot read is not {8 * words} bytes")
-        reversed_rows = pc.binary_reverse(chunk)  # little-endian words, last column first, flags last
-        offsets = pa.int64() if pa.types.is_large_binary(chunk.type) else pa.int32()
-        start = pa.Array.from_buffers(offsets, 1, [None, reversed_rows.buffers()[1]], offset=reversed_rows.offset)
-        data = reversed_rows.buffers()[2].slice(start[0].as_py(), 8 * words * len(chunk))
-        rows = pa.FixedSizeListArray.from_arrays(
-            pa.Array.from_buffers(pa.int64(), words * len(chunk), [None, data]), words
-        )
-        flags = pc.list_element(rows, words - 1)
-        for index, column in enumerate(columns):
-            restored[index].append(_unpacked_column(pc.list_element(rows, words - 2 - index), flags, index, column))
-    table = decoded.drop_columns([_PACKED])
-    for column, arrays in zip(columns, restored, strict=True):
-        table = table.append_column(column.name, pa.chunked_array(arrays, type=_PACKED_KINDS[column.type.kind][1]))
-    return table
-
-
-def _unpacked_column(word: pa.Array, flags: pa.Array, bit: int, column: SourceColumn) -> pa.Array:
-    """A packed column's values from their 64-bit words, NULL where its flag is set."""
-    arrow_type = _PACKED_KINDS[column.type.kind][1]
-    if pa.types.is_floating(arrow_type):
-        values = word.view(arrow_type)
-    elif pa.types.is_timestamp(arrow_type):
-        values = pc.add(word, _POSTGRES_EPOCH_US).view(arrow_type)
-    else:
-        values = pc.cast(word, arrow_type)  # a smallint or integer widened to bigint: exact
-    valid = pc.equal(pc.bit_wise_and(flags, 1 << bit), 0)
-    return values if pc.all(valid).as_py() else pc.if_else(valid, values, pa.scalar(None, arrow_type))
-
-
 def select_expressions(source: SourceTable, rule: OutOfRange) -> sql.Composed:
     """The chunk query's select list: each mirrored column in a form decoded exactly (masked ones as
-    :func:`masked_expression` says, the 8-byte ones packed as :func:`packed_columns` says), plus
-    array dimensions."""
-    packed = packed_columns(source)
+    :func:`masked_expression` says), plus array dimensions."""
     expressions: list[sql.Composable] = []
-    if packed:
-        expressions.append(sql.SQL("{} AS {}").format(_packed_expression(packed, rule), sql.Identifier(_PACKED)))
-    packed_names = {column.name for column in packed}
     for position, column in enumerate(source.columns):
-        if column.name in packed_names:
-            continue
         name = sql.Identifier(column.name)
         mask = source.mask_of(column.name)
         selected = masked_expression(name, mask) if mask else _select_expression(name, column.type, rule)
@@ -273,7 +177,6 @@ def _ruled(decoded: pa.Table, position: int, column: SourceColumn, rule: OutOfRa
 
 def conform(decoded: pa.Table, source: SourceTable, schema: pa.Schema, rule: OutOfRange) -> pa.Table:
     """The decoded chunk as a table of ``schema`` (columns the source no longer has are null)."""
-    decoded = unpacked(decoded, source)
     by_name = {column.name: (position, column) for position, column in enumerate(source.columns)}
     arrays = []
     for field in schema:
