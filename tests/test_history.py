@@ -9,17 +9,21 @@ duplicate no version."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
+from dagster import AssetKey, instance_for_test
 
-from pg2iceberg_dagster.config import parse_config
+from pg2iceberg_dagster.config import load_config, parse_config
+from pg2iceberg_dagster.dagster_integration import build_definitions
 from pg2iceberg_dagster.errors import ConfigError
 from pg2iceberg_dagster.iceberg.history import HistoryColumns, as_of
 from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.pipeline import Pipeline
 
 from .conftest import Crash, SourceDb, assert_mirrored, sync
+from .test_dagster import _launch, _merge_requested, _write_config
 
 pytestmark = pytest.mark.usefixtures("spark")
 
@@ -180,3 +184,49 @@ def test_a_history_table_named_like_a_mirrored_table_is_refused(source: SourceDb
     data["tables"] = [{"name": KEY, "history": True}, {"name": "public.other", "iceberg_name": "items_history"}]
     with pytest.raises(ConfigError, match=r"the history of table public\.items"):
         parse_config(data)
+
+
+def test_a_resync_closes_the_current_versions_and_writes_snapshot_versions(source: SourceDb) -> None:
+    """A resync starts a new copy: the versions current until then end at the copy's LSN and every row
+    gets a ``snapshot`` version valid from it; the history stays exact as of every recorded commit."""
+    record = _items(source)
+    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}]))
+    pipeline.snapshot()
+    record.record()
+    record("UPDATE public.items SET n = n + 1 WHERE id <= 3")
+    record("DELETE FROM public.items WHERE id = 8")
+    sync(pipeline)
+    pipeline.resync(KEY)
+    record.record()
+    record("UPDATE public.items SET name = 'after' WHERE id = 1")
+    sync(pipeline)
+    _assert_history_exact(pipeline, record.states)
+    rows = _history(pipeline).scan().to_arrow().to_pylist()
+    snapshots = sorted(row["id"] for row in rows if row[OWN.operation] == "snapshot")
+    assert snapshots == sorted([*range(1, 9), *range(1, 8)]), "8 rows copied first, 7 by the resync"
+    current = {row["id"]: row[OWN.operation] for row in rows if row[OWN.current]}
+    assert current == {1: "update", **{key: "snapshot" for key in range(2, 8)}}
+
+
+def test_the_merge_run_materializes_the_history_asset_with_the_live_table(source: SourceDb, tmp_path: Path) -> None:
+    """In Dagster the history table is its own asset downstream of the live table: the merge sensor
+    selects both for a lagging table, and the one merge step writes and reports both."""
+    record = _items(source)
+    config_path = _write_config(source, tmp_path, [{"name": KEY, "history": True}])  # type: ignore[list-item]
+    defs = build_definitions(config_path)
+    namespace = f"{source.name}_public"
+    live, history = AssetKey(["iceberg", namespace, "items"]), AssetKey(["iceberg", namespace, "items_history"])
+    assert {dep.asset_key for dep in defs.resolve_assets_def(history).specs_by_key[history].deps} == {live}
+    pipeline = source.pipeline(load_config(config_path))
+    pipeline.snapshot()
+    record.record()
+    record("UPDATE public.items SET n = 0 WHERE id = 1")
+    pipeline.stream(until_caught_up=True)
+    with instance_for_test() as instance:
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and set(request.asset_selection or []) == {live, history}
+        assert _launch(defs, instance, request).success
+        event = instance.get_latest_materialization_event(history)
+        assert event is not None and event.asset_materialization is not None
+        assert event.asset_materialization.metadata["changes"].value == 1
+    _assert_history_exact(pipeline, record.states)

@@ -51,8 +51,9 @@ from .spark_sql import OP_COLUMN, UNCHANGED_COLUMN, spark_identifier, spark_stri
 
 CLOSE_COLUMN = "_pg2iceberg_close"
 FILL_PREFIX = "_pg2iceberg_fill_"
-# The live table's commits that leave it equal to a snapshot epoch's copy (snapshot/chunks.py, snapshot/resync.py).
-_COPY_COMMITS = ("pg2iceberg.snapshot-epoch", "pg2iceberg.resync-epoch")
+# The live table's commits that leave it equal to the source as of a snapshot epoch: the snapshot's
+# chunks (snapshot/chunks.py), a resync's switch (snapshot/resync.py), a repair's write (repair.py).
+_COPY_COMMITS = ("pg2iceberg.snapshot-epoch", "pg2iceberg.resync-epoch", "pg2iceberg.repair-epoch")
 
 
 class HistoryWriter:
@@ -89,10 +90,14 @@ class HistoryWriter:
         """Write the first versions of the epoch's copy (the live table as the snapshot left it), closing
         the versions current before it at the copy's LSN, unless the history already holds this epoch."""
         number = epoch.epoch if epoch is not None else 0
-        if history_position(history).epoch == number:
+        held = history_position(history)
+        if held.epoch == number:
             return history
+        # The live table is the copy while no batch of the epoch was merged: the cursor has not moved
+        # since the history was last written (or the copy's own commit is the live table's last).
         summaries = snapshot_summaries(live)
-        if summaries and not any(summaries[-1].get(name) == str(number) for name in _COPY_COMMITS):
+        copied = not summaries or any(summaries[-1].get(name) == str(number) for name in _COPY_COMMITS)
+        if not copied and held.offset != cursor:
             raise ResyncRequiredError(
                 self.mirrored.key,
                 "its history table was turned on (or lost) after its rows were merged past the snapshot, so its "
