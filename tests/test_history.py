@@ -230,3 +230,29 @@ def test_the_merge_run_materializes_the_history_asset_with_the_live_table(source
         assert event is not None and event.asset_materialization is not None
         assert event.asset_materialization.metadata["changes"].value == 1
     _assert_history_exact(pipeline, record.states)
+
+
+def test_the_history_holds_columns_as_the_policy_leaves_them(source: SourceDb) -> None:
+    """An excluded column is not in the history table, a masked one holds the masked value, in the
+    snapshot's versions and the streamed ones alike."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, name text, phone text, secret text)")
+    source.execute(
+        "INSERT INTO public.items SELECT g, 'item ' || g, '555-' || g, 'pw' || g FROM generate_series(1, 3) g"
+    )
+    table = {"name": KEY, "history": True, "columns": {"exclude": ["secret"]}, "mask": {"phone": "redact"}}
+    pipeline = source.pipeline(source.config([table]))
+    pipeline.snapshot()
+    pipeline.materialize()
+    source.execute("UPDATE public.items SET phone = '555-0', secret = 'changed' WHERE id = 1")
+    source.execute("INSERT INTO public.items VALUES (4, 'four', NULL, 'pw4')")
+    sync(pipeline)
+    history = _history(pipeline)
+    assert [field.name for field in history.schema().fields] == ["id", "name", "phone", *OWN.names]
+    rows = history.scan().to_arrow().to_pylist()
+    assert sorted((row["id"], row["phone"], row[OWN.operation]) for row in rows) == [
+        (1, "[redacted]", "snapshot"),
+        (1, "[redacted]", "update"),
+        (2, "[redacted]", "snapshot"),
+        (3, "[redacted]", "snapshot"),
+        (4, None, "insert"),
+    ]

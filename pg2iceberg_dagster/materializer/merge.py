@@ -281,8 +281,9 @@ class Materializer:
                 if described is not None:
                     unfilled = self._follow_columns(table_key, described, result) or unfilled
                 self._start_spark(table_key, result.timings)
-                # The first versions come from the copy as the snapshot left it: before any fill or batch.
-                self._history_ready(table_key, self.catalog.load_table(self.tables[table_key].iceberg))
+                if self.tables[table_key].history is not None:
+                    # The first versions come from the copy as the snapshot left it: before any fill or batch.
+                    self._history_ready(table_key, self.catalog.load_table(self.tables[table_key].iceberg))
                 if unfilled is not None:
                     self._fill_pending(table_key, unfilled, result.timings)
                 self._apply_rounds(table_key, rounds, max_batches, result)
