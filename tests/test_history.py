@@ -256,3 +256,24 @@ def test_the_history_holds_columns_as_the_policy_leaves_them(source: SourceDb) -
         (3, "[redacted]", "snapshot"),
         (4, None, "insert"),
     ]
+
+
+def test_a_column_renamed_at_the_source_is_renamed_in_the_history(source: SourceDb) -> None:
+    """As in the live table, the renamed column keeps its values, earlier versions' included; an update
+    leaving a TOAST value of the renamed column unchanged takes it from the version before the rename."""
+    record = _items(source)
+    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}]))
+    pipeline.snapshot()
+    record.record()
+    record("UPDATE public.items SET n = -1 WHERE id = 1")
+    sync(pipeline)
+    record("ALTER TABLE public.items RENAME COLUMN big TO payload")
+    record("UPDATE public.items SET n = -2 WHERE id IN (1, 2)")
+    sync(pipeline)
+    renamed = [(lsn, [_renamed(row) for row in rows]) for lsn, rows in record.states]
+    _assert_history_exact(pipeline, renamed)
+    assert "big" not in [field.name for field in _history(pipeline).schema().fields]
+
+
+def _renamed(row: dict[str, Any]) -> dict[str, Any]:
+    return {("payload" if name == "big" else name): value for name, value in row.items()}

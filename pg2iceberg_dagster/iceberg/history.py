@@ -28,6 +28,9 @@ from .change_metadata import metadata_names
 from .commit import commit_with_retry
 
 HISTORY_COLUMNS = "pg2iceberg.history-columns"
+# Which field of the live table each source column of the history table mirrors (name -> field id), so a
+# column renamed at the source (and so in the live table) is renamed in the history table too.
+LIVE_FIELDS = "pg2iceberg.history-live-fields"
 # In the summary of each commit writing a history table: the snapshot epoch its first versions came
 # from, and the staged log offset up to which it holds every version.
 HISTORY_EPOCH = "pg2iceberg.history-epoch"
@@ -109,8 +112,7 @@ def ensure_history_table(
     table_key: str,
 ) -> Table:
     """The history table of ``live`` at ``identifier``: created when missing, its columns following
-    the live table's (a column added at the source is added here; a renamed one joins under its new
-    name, the old one keeps the values of earlier versions)."""
+    the live table's (see :func:`follow_live_columns`)."""
     columns = HistoryColumns.of(settings)
     clash = sorted({field.name for field in source_fields(live)} & set(columns.names))
     if clash:
@@ -130,9 +132,9 @@ def ensure_history_table(
             for index, (name, field_type) in enumerate(columns.fields())
         ]
         schema = Schema(*[NestedField(i + 1, f.name, f.field_type, False, f.doc) for i, f in enumerate(fields)])
-        return catalog.create_table_if_not_exists(
-            identifier, schema, properties={HISTORY_COLUMNS: json.dumps(columns.__dict__)}
-        )
+        live_fields = json.dumps({field.name: field.field_id for field in source_fields(live)}, sort_keys=True)
+        properties = {HISTORY_COLUMNS: json.dumps(columns.__dict__), LIVE_FIELDS: live_fields}
+        return catalog.create_table_if_not_exists(identifier, schema, properties=properties)
     recorded = HistoryColumns.recorded(table)
     if recorded != columns:
         raise ConfigError(
@@ -143,18 +145,35 @@ def ensure_history_table(
 
 
 def follow_live_columns(table: Table, live: Table) -> Table:
-    """``table`` (a history table) with every source column of ``live`` (added, or widened)."""
+    """``table`` (a history table) with the source columns of ``live``: one the live table renamed is
+    renamed here too (the live table's field it mirrors is recorded in :data:`LIVE_FIELDS`), one it
+    added is added, a widened type widened; a column the live table lost stays (earlier versions' values)."""
+    recorded: dict[str, int] = json.loads(table.properties.get(LIVE_FIELDS, "{}"))
+    names_by_id = {field_id: name for name, field_id in recorded.items()}
     present = {field.name: field.field_type for field in table.schema().fields}
     wanted = source_fields(live)
-    if all(present.get(field.name) == field.field_type for field in wanted):
+    renames = {
+        names_by_id[field.field_id]: field.name
+        for field in wanted
+        if names_by_id.get(field.field_id, field.name) != field.name and field.name not in present
+    }
+    mapping = {name: field_id for name, field_id in recorded.items() if name not in renames}
+    mapping |= {field.name: field.field_id for field in wanted}
+    if not renames and mapping == recorded and all(present.get(f.name) == f.field_type for f in wanted):
         return table
 
-    def union() -> None:
+    def follow() -> None:
         table.refresh()
-        with table.update_schema() as update:
-            update.union_by_name(Schema(*wanted))
+        with table.transaction() as transaction:
+            if renames:
+                with transaction.update_schema() as update:
+                    for old, new in renames.items():
+                        update.rename_column(old, new)
+            with transaction.update_schema() as update:
+                update.union_by_name(Schema(*wanted))
+            transaction.set_properties({LIVE_FIELDS: json.dumps(mapping, sort_keys=True)})
 
-    commit_with_retry(union)
+    commit_with_retry(follow)
     table.refresh()
     return table
 
