@@ -277,3 +277,30 @@ def test_a_column_renamed_at_the_source_is_renamed_in_the_history(source: Source
 
 def _renamed(row: dict[str, Any]) -> dict[str, Any]:
     return {("payload" if name == "big" else name): value for name, value in row.items()}
+
+
+def test_a_column_retyped_beyond_widening_is_kept_aside_after_the_resync(source: SourceDb) -> None:
+    """``ALTER COLUMN n TYPE text`` needs a resync (Iceberg cannot turn an int column into a string one):
+    the history keeps the earlier versions' values in ``n__was_int`` and continues with the new ``n``."""
+    record = _items(source)
+    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}]))
+    pipeline.snapshot()
+    record.record()
+    record("UPDATE public.items SET n = -1 WHERE id = 1")
+    sync(pipeline)
+    record("ALTER TABLE public.items ALTER COLUMN n TYPE text USING 'n' || n")
+    record("UPDATE public.items SET n = 'changed' WHERE id = 2")
+    pipeline.stream(until_caught_up=True)
+    assert pipeline.materialize()[KEY].resync_reason
+    pipeline.resync(KEY)
+    record.record()
+    record("UPDATE public.items SET n = 'after' WHERE id = 3")
+    sync(pipeline)
+    before = [(lsn, [_aside_n(row) for row in rows]) for lsn, rows in record.states[:2]]
+    _assert_history_exact(pipeline, [*before, *record.states[-2:]])
+    fields = {field.name: str(field.field_type) for field in _history(pipeline).schema().fields}
+    assert (fields["n"], fields["n__was_int"]) == ("string", "int")
+
+
+def _aside_n(row: dict[str, Any]) -> dict[str, Any]:
+    return {("n__was_int" if name == "n" else name): value for name, value in row.items()}

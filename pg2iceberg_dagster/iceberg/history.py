@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, ResolveError
 from pyiceberg.expressions import And, BooleanExpression, GreaterThan, IsNull, LessThanOrEqual, Or
-from pyiceberg.schema import Schema
+from pyiceberg.schema import Schema, promote
 from pyiceberg.table import Table
 from pyiceberg.types import BooleanType, IcebergType, LongType, NestedField, StringType, TimestamptzType
 from sqlalchemy.exc import IntegrityError
@@ -147,7 +148,9 @@ def ensure_history_table(
 def follow_live_columns(table: Table, live: Table) -> Table:
     """``table`` (a history table) with the source columns of ``live``: one the live table renamed is
     renamed here too (the live table's field it mirrors is recorded in :data:`LIVE_FIELDS`), one it
-    added is added, a widened type widened; a column the live table lost stays (earlier versions' values)."""
+    added is added, a widened type widened. A column the live table lost stays (earlier versions'
+    values), and so does one whose type the live table changed beyond widening (a resync rebuilt it):
+    renamed aside to ``<name>__was_<type>``, the new column taking the name."""
     recorded: dict[str, int] = json.loads(table.properties.get(LIVE_FIELDS, "{}"))
     names_by_id = {field_id: name for name, field_id in recorded.items()}
     present = {field.name: field.field_type for field in table.schema().fields}
@@ -157,7 +160,12 @@ def follow_live_columns(table: Table, live: Table) -> Table:
         for field in wanted
         if names_by_id.get(field.field_id, field.name) != field.name and field.name not in present
     }
-    mapping = {name: field_id for name, field_id in recorded.items() if name not in renames}
+    renames |= {
+        field.name: _aside(field.name, present[field.name], present)
+        for field in wanted
+        if field.name in present and not _widens(present[field.name], field.field_type)
+    }
+    mapping = {renames.get(name, name): field_id for name, field_id in recorded.items()}
     mapping |= {field.name: field.field_id for field in wanted}
     if not renames and mapping == recorded and all(present.get(f.name) == f.field_type for f in wanted):
         return table
@@ -176,6 +184,24 @@ def follow_live_columns(table: Table, live: Table) -> Table:
     commit_with_retry(follow)
     table.refresh()
     return table
+
+
+def _widens(was: IcebergType, now: IcebergType) -> bool:
+    """Whether a column of type ``was`` can hold ``now`` (the same type, or a promotion Iceberg allows)."""
+    try:
+        return was == now or promote(was, now) == now
+    except ResolveError:
+        return False
+
+
+def _aside(name: str, was: IcebergType, present: dict[str, IcebergType]) -> str:
+    """A free name for the column ``name`` of type ``was`` moved aside: ``<name>__was_<type>``."""
+    base = f"{name}__was_{re.sub(r'[^A-Za-z0-9]+', '_', str(was)).strip('_')}"
+    candidate, number = base, 1
+    while candidate in present:
+        number += 1
+        candidate = f"{base}_{number}"
+    return candidate
 
 
 def as_of(table: Table, lsn: int) -> BooleanExpression:
