@@ -98,12 +98,17 @@ def _items(source: SourceDb) -> Recorder:
     return Recorder(source)
 
 
-def test_history_reproduces_the_source_as_of_every_commit(source: SourceDb) -> None:
+def _snapshotted(source: SourceDb, **overrides: Any) -> tuple[Recorder, Pipeline]:
+    """The items table mirrored with history and snapshotted; the recorder holds the state after the snapshot."""
     record = _items(source)
-    config = source.config([{"name": KEY, "history": True}], materialize={"max_batch_changes": 3})
-    pipeline = source.pipeline(config)
+    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}], **overrides))
     pipeline.snapshot()
     record.record()
+    return record, pipeline
+
+
+def test_history_reproduces_the_source_as_of_every_commit(source: SourceDb) -> None:
+    record, pipeline = _snapshotted(source, materialize={"max_batch_changes": 3})
     pipeline.materialize()
     first = _history(pipeline).scan().to_arrow().to_pylist()
     assert sorted(row["id"] for row in first) == list(range(1, 9))
@@ -151,11 +156,7 @@ def test_a_crash_around_the_history_commit_loses_and_repeats_no_version(
 ) -> None:
     """A crash after the live commit and before the history's (or after both, before the cursor moves);
     more is staged before the retry, so the retried batch is longer than the one that crashed."""
-    record = _items(source)
-    config = source.config([{"name": KEY, "history": True}])
-    pipeline = source.pipeline(config)
-    pipeline.snapshot()
-    record.record()
+    record, pipeline = _snapshotted(source)
     pipeline.materialize()
     record("UPDATE public.items SET n = n + 1 WHERE id <= 4")
     record("DELETE FROM public.items WHERE id = 5")
@@ -189,10 +190,7 @@ def test_a_history_table_named_like_a_mirrored_table_is_refused(source: SourceDb
 def test_a_resync_closes_the_current_versions_and_writes_snapshot_versions(source: SourceDb) -> None:
     """A resync starts a new copy: the versions current until then end at the copy's LSN and every row
     gets a ``snapshot`` version valid from it; the history stays exact as of every recorded commit."""
-    record = _items(source)
-    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}]))
-    pipeline.snapshot()
-    record.record()
+    record, pipeline = _snapshotted(source)
     record("UPDATE public.items SET n = n + 1 WHERE id <= 3")
     record("DELETE FROM public.items WHERE id = 8")
     sync(pipeline)
@@ -261,10 +259,7 @@ def test_the_history_holds_columns_as_the_policy_leaves_them(source: SourceDb) -
 def test_a_column_renamed_at_the_source_is_renamed_in_the_history(source: SourceDb) -> None:
     """As in the live table, the renamed column keeps its values, earlier versions' included; an update
     leaving a TOAST value of the renamed column unchanged takes it from the version before the rename."""
-    record = _items(source)
-    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}]))
-    pipeline.snapshot()
-    record.record()
+    record, pipeline = _snapshotted(source)
     record("UPDATE public.items SET n = -1 WHERE id = 1")
     sync(pipeline)
     record("ALTER TABLE public.items RENAME COLUMN big TO payload")
@@ -282,10 +277,7 @@ def _renamed(row: dict[str, Any]) -> dict[str, Any]:
 def test_a_column_retyped_beyond_widening_is_kept_aside_after_the_resync(source: SourceDb) -> None:
     """``ALTER COLUMN n TYPE text`` needs a resync (Iceberg cannot turn an int column into a string one):
     the history keeps the earlier versions' values in ``n__was_int`` and continues with the new ``n``."""
-    record = _items(source)
-    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}]))
-    pipeline.snapshot()
-    record.record()
+    record, pipeline = _snapshotted(source)
     record("UPDATE public.items SET n = -1 WHERE id = 1")
     sync(pipeline)
     record("ALTER TABLE public.items ALTER COLUMN n TYPE text USING 'n' || n")
