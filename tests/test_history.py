@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from dagster import AssetKey, instance_for_test
 
+from pg2iceberg_dagster.cleanup import remove_tables
 from pg2iceberg_dagster.config import load_config, parse_config
 from pg2iceberg_dagster.dagster_integration import build_definitions
 from pg2iceberg_dagster.errors import ConfigError
@@ -254,6 +255,11 @@ def test_the_history_holds_columns_as_the_policy_leaves_them(source: SourceDb) -
         (3, "[redacted]", "snapshot"),
         (4, None, "insert"),
     ]
+    # A table no longer mirrored with its Iceberg table dropped loses its history table too.
+    mirrored = pipeline.tables[KEY]
+    assert mirrored.history is not None and pipeline.catalog.table_exists(mirrored.history)
+    remove_tables(pipeline.config, pipeline.store, pipeline.objects, pipeline.catalog, [mirrored], drop_iceberg=True)
+    assert not pipeline.catalog.table_exists(mirrored.history)
 
 
 def test_a_column_renamed_at_the_source_is_renamed_in_the_history(source: SourceDb) -> None:
