@@ -98,8 +98,7 @@ def reset_table(
     for folder in folders:
         _delete_unregistered(objects, folder, set(), flushed)
     if drop_iceberg:
-        with contextlib.suppress(NoSuchTableError):
-            catalog.drop_table(table.iceberg)
+        _drop_iceberg_tables(catalog, table)
 
 
 def remove_tables(
@@ -138,8 +137,7 @@ def reset_all(
     """Drop the slot, the coordination schema, the Iceberg tables and the staged files."""
     result = CleanupResult()
     for table in tables:
-        with contextlib.suppress(NoSuchTableError):
-            catalog.drop_table(table.iceberg)
+        _drop_iceberg_tables(catalog, table)
         result.tables_reset += 1
     for key in objects.list():
         objects.delete(key)
@@ -152,3 +150,12 @@ def reset_all(
         result.slot_dropped = bool(dropped)
     store.conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
     return result
+
+
+def _drop_iceberg_tables(catalog: Catalog, table: MirroredTable) -> None:
+    """Drop the table's Iceberg table and its history table (docs/history.md), those that exist. A
+    history table outliving its mirror's state would be taken for the history of a new copy."""
+    for identifier in (table.iceberg, table.history):
+        if identifier is not None:
+            with contextlib.suppress(NoSuchTableError):
+                catalog.drop_table(identifier)

@@ -182,10 +182,21 @@ class ChangeMetadataConfig(_Strict):
     # The deletion columns of tables with ``deletes: soft`` (docs/change_metadata.md).
     deleted_at_column: str = Field("_pg_deleted_at", min_length=1)
     deleted_lsn_column: str = Field("_pg_deleted_lsn", min_length=1)
+    # History tables (docs/history.md): one row per version of each source row, in a second Iceberg table
+    # named like the mirror plus ``history_suffix``; ``history`` turns them on for every table (a table's
+    # own ``history: true/false`` overrides it).
+    history: bool = False
+    history_suffix: str = Field("_history", min_length=1)
+    valid_from_lsn_column: str = Field("_pg_valid_from_lsn", min_length=1)
+    valid_from_at_column: str = Field("_pg_valid_from_at", min_length=1)
+    valid_to_lsn_column: str = Field("_pg_valid_to_lsn", min_length=1)
+    valid_to_at_column: str = Field("_pg_valid_to_at", min_length=1)
+    operation_column: str = Field("_pg_operation", min_length=1)
+    current_column: str = Field("_pg_is_current", min_length=1)
 
     @model_validator(mode="after")
     def _distinct_names(self) -> ChangeMetadataConfig:
-        names = self.column_names() + self.deletion_column_names()
+        names = self.column_names() + self.deletion_column_names() + self.history_column_names()
         repeated = repeated_columns(names)
         if repeated:
             raise ValueError(f"column name {repeated[0]} is given to two change metadata columns")
@@ -201,6 +212,17 @@ class ChangeMetadataConfig(_Strict):
     def deletion_column_names(self) -> list[str]:
         """The deletion columns' names (time, LSN) of tables with ``deletes: soft``."""
         return [self.deleted_at_column, self.deleted_lsn_column]
+
+    def history_column_names(self) -> list[str]:
+        """The history table's own columns: valid from (LSN, time), valid to (LSN, time), operation, current."""
+        return [
+            self.valid_from_lsn_column,
+            self.valid_from_at_column,
+            self.valid_to_lsn_column,
+            self.valid_to_at_column,
+            self.operation_column,
+            self.current_column,
+        ]
 
 
 class TableConfig(_Strict):
@@ -226,6 +248,8 @@ class TableConfig(_Strict):
     change_metadata: bool | None = None
     # soft: a row deleted at the source stays, marked by the deletion columns (change_metadata.deleted_*).
     deletes: Literal["hard", "soft"] = "hard"
+    # Overrides change_metadata.history for this table (None: the pipeline's setting): a history table.
+    history: bool | None = None
     # This table's delete format, or the engines that read it (docs/readers.md); unset: the pipeline's.
     delete_format: DeleteFormat | None = None
     readers: list[Annotated[str, AfterValidator(_known_reader)]] | None = None
@@ -720,17 +744,28 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_mirror_per_table(self) -> PipelineConfig:
-        # Two tables merged into one Iceberg table would overwrite each other's rows.
+        shared = self.shared_mirror()
+        if shared:
+            raise ValueError(shared)
+        return self
+
+    def shared_mirror(self) -> str | None:
+        """Why two tables (or a table and another's history table) would be written into one Iceberg
+        table, which would overwrite each other's rows; None when none would."""
         mirrors: dict[tuple[str, str], list[str]] = {}
         for table in self.tables:
-            mirrors.setdefault(self.iceberg_identifier(table), []).append(table.key)
+            mirrors.setdefault(self.iceberg_identifier(table), []).append(f"table {table.key}")
+            history = self.history_identifier(table)
+            if history is not None:
+                mirrors.setdefault(history, []).append(f"the history of table {table.key}")
         for (namespace, name), keys in mirrors.items():
             if len(keys) > 1:
-                raise ValueError(
-                    f"tables {', '.join(keys)} would all be mirrored into the Iceberg table {namespace}.{name}: "
-                    "give them different iceberg_name values (or a namespace with {schema})"
+                return (
+                    f"{' and '.join(keys)} would all be written into the Iceberg table {namespace}.{name}: "
+                    "give them different iceberg_name values (or a namespace with {schema}, or another "
+                    "change_metadata.history_suffix)"
                 )
-        return self
+        return None
 
     @property
     def state_connection(self) -> PostgresConnection:
@@ -752,6 +787,19 @@ class PipelineConfig(_Strict):
     def iceberg_identifier(self, table: TableConfig) -> tuple[str, str]:
         """(namespace, name) of the Iceberg table mirroring ``table``."""
         return self.iceberg.namespace.format(schema=table.schema_name), table.iceberg_name or table.table_name
+
+    def history_for(self, table: TableConfig) -> ChangeMetadataConfig | None:
+        """The settings of ``table``'s history table (None: it has none)."""
+        enabled = self.change_metadata.history if table.history is None else table.history
+        return self.change_metadata if enabled else None
+
+    def history_identifier(self, table: TableConfig) -> tuple[str, str] | None:
+        """(namespace, name) of the Iceberg table holding ``table``'s history (None: it has none)."""
+        history = self.history_for(table)
+        if history is None:
+            return None
+        namespace, name = self.iceberg_identifier(table)
+        return namespace, name + history.history_suffix
 
     def readers_of(self, table: TableConfig) -> list[str]:
         """The engines declared to read ``table``'s mirror (its own list, else the pipeline's)."""

@@ -23,6 +23,7 @@ CRASH_POINTS: dict[str, str] = {
     "flusher.after_register": "staged files are registered but the slot was not acknowledged",
     "materializer.after_fill": "a column's DEFAULT is set on existing rows but the fill is not marked done",
     "materializer.before_fast_forward": "a batch is written on the merge branch but main is not moved to it",
+    "materializer.before_history": "the MERGE is committed to Iceberg but the history table's versions are not",
     "materializer.after_commit": "the MERGE is committed to Iceberg but mat_cursor is not advanced",
     "resync.before_switch": "a resync's copy is written but not switched in",
     "resync.after_switch": "a resync is switched in Iceberg but not recorded as finished",

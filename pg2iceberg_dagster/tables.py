@@ -23,6 +23,8 @@ class MirroredTable:
     iceberg: tuple[str, str]
     # Its folder under the staging root, which no other table's folder can equal, contain or escape.
     staging: str
+    # (namespace, name) of its history table (docs/history.md); None when it has none.
+    history: tuple[str, str] | None = None
 
     @property
     def key(self) -> str:
@@ -38,6 +40,7 @@ class MirroredTable:
             table_name=table.table_name,
             iceberg=pipeline.iceberg_identifier(table),
             staging=table_location(table.key),
+            history=pipeline.history_identifier(table),
         )
 
 
@@ -45,6 +48,10 @@ class MirroredTables(Mapping[str, MirroredTable]):
     """The configured tables by key, in config order; an unknown key is a :class:`ConfigError`."""
 
     def __init__(self, config: PipelineConfig) -> None:
+        # Tables a schema entry selected joined the config after its validation: checked again here.
+        shared = config.shared_mirror()
+        if shared:
+            raise ConfigError(shared)
         self._tables = {table.key: MirroredTable.of(config, table) for table in config.tables}
 
     def __getitem__(self, key: str) -> MirroredTable:

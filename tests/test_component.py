@@ -75,6 +75,21 @@ def test_two_mirrors_load_side_by_side() -> None:
     assert {"app_snapshot", "app_merge", "billing_snapshot", "billing_merge"} <= pools
 
 
+def test_a_table_with_history_has_its_history_asset_downstream_of_its_live_table() -> None:
+    """``history: true`` adds a fifth asset, the history table, downstream of the live table, written by
+    the same merge step (the merge job selects it with the live table); a table without history has none."""
+    defs = build_definitions(_config("app", [{"name": "public.orders", "history": True}, "public.items"]), name="app")
+    Definitions.validate_loadable(defs)
+    specs = {spec.key: spec for spec in defs.resolve_all_asset_specs()}
+    live, history = AssetKey(["iceberg", "public", "orders"]), AssetKey(["iceberg", "public", "orders_history"])
+    assert {dep.asset_key for dep in specs[history].deps} == {live}
+    assert "Iceberg table pg2iceberg.public.orders_history" in (specs[history].description or "")
+    assert AssetKey(["iceberg", "public", "items_history"]) not in specs
+    merge = defs.resolve_assets_def(live)
+    assert merge is defs.resolve_assets_def(history), "one merge step writes both"
+    assert {live, history} <= set(defs.resolve_job_def("app_merge").asset_layer.selected_asset_keys)
+
+
 def test_get_asset_spec_returns_whole_specs() -> None:
     t = Pg2IcebergTranslator(parse_config(_config("app", ["public.orders"])))
     (table,) = t.config.tables

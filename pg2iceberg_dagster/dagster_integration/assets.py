@@ -35,6 +35,7 @@ from pg2iceberg_dagster.pipeline import (
 
 from .automation import snapshot_condition
 from .mirror import Mirror
+from .translator import HISTORY
 
 PK_UNIQUE = "primary_key_unique"
 MATCHES_SOURCE = "matches_source"
@@ -251,6 +252,11 @@ def _report_merge(
     metadata.update({f"iceberg_{name}": value for name, value in health.as_dict().items()})
     yield MaterializeResult(asset_key=key, metadata=metadata)
     yield files_check_result(health, pipeline.config.maintenance, key)
+    for history in mirror.merged_keys(table)[1:]:
+        yield MaterializeResult(
+            asset_key=history,
+            metadata={"changes": result.changes, "last_lsn": result.last_lsn_text, "merged_with": key.to_user_string()},
+        )
 
 
 def live_tables_asset(mirror: Mirror) -> AssetsDefinition:
@@ -258,17 +264,26 @@ def live_tables_asset(mirror: Mirror) -> AssetsDefinition:
     merge sensor tick merge in one run on one Spark session (one JVM start for them all, not one per
     table), several at once (``materialize.parallelism``); each is reported as its merge ends."""
     keys = {mirror.key(table, "iceberg"): table for table in mirror.tables}
+    # A table is merged when its live table or its history table is selected: one merge writes both.
+    written = {key: table for table in mirror.tables for key in mirror.merged_keys(table)}
+    histories = [
+        mirror.spec(table, HISTORY).replace_attributes(skippable=True)
+        for table in mirror.tables
+        if mirror.config.history_for(table)
+    ]
 
     @multi_asset(
         name=mirror.named("merge_live_tables"),  # the job is <mirror>_merge: graph and op names share a namespace
-        specs=[_live_spec(mirror, table) for table in mirror.tables],
+        specs=[*(_live_spec(mirror, table) for table in mirror.tables), *histories],
         check_specs=[spec for key in keys for spec in _live_check_specs(key)],
         can_subset=True,
         pool=mirror.named("merge"),
         required_resource_keys={mirror.resource_key, mirror.spark_resource_key},
     )
     def _merge(context: AssetExecutionContext) -> Iterator[Any]:
-        selected = [table for key, table in keys.items() if key in context.selected_asset_keys]
+        selected = list(
+            {table.key: table for key, table in written.items() if key in context.selected_asset_keys}.values()
+        )
         checks = context.selected_asset_check_keys
         failed: list[str] = []
         # A run of one table merges twice: the second round applies, warm, what was staged during the
@@ -284,7 +299,10 @@ def live_tables_asset(mirror: Mirror) -> AssetsDefinition:
                     if isinstance(outcome, Exception):
                         raise outcome
                     for event in _report_merge(mirror, pipeline, by_key[table_key], outcome, context.log):
-                        if isinstance(event, MaterializeResult) or _check_key(event) in checks:
+                        if isinstance(event, MaterializeResult):
+                            if event.asset_key in context.selected_asset_keys:
+                                yield event
+                        elif _check_key(event) in checks:
                             yield event
                     merged.append(table_key)
                 except Exception as exc:  # reported below; the other tables still merge

@@ -18,7 +18,7 @@ from pg2iceberg_dagster.config import PipelineConfig, TableConfig
 from pg2iceberg_dagster.errors import ConfigError
 
 from .resources import Pg2IcebergResource, SparkResource
-from .translator import DEFAULT_NAME, ROLES, Pg2IcebergTranslator
+from .translator import DEFAULT_NAME, HISTORY, ROLES, Pg2IcebergTranslator
 
 __all__ = ["DEFAULT_NAME", "MIRROR_RUN_TAG", "MIRROR_TAG", "TABLES_RUN_TAG", "Mirror", "table_run_tag"]
 # Every asset of every mirror carries this tag (no value), so a team's own automation sensor can leave
@@ -82,8 +82,12 @@ class Mirror:
         return {
             (table.key, role): self.translator.get_asset_spec(table, role).merge_attributes(tags=tag)
             for table in self.tables
-            for role in ROLES
+            for role in self.roles(table)
         }
+
+    def roles(self, table: TableConfig) -> tuple[str, ...]:
+        """The table's assets: :data:`ROLES`, and :data:`HISTORY` when it has a history table."""
+        return (*ROLES, HISTORY) if self.config.history_for(table) else ROLES
 
     def spec(self, table: TableConfig, role: str) -> AssetSpec:
         """The translator's spec of the table's asset ``role``."""
@@ -92,6 +96,10 @@ class Mirror:
     def key(self, table: TableConfig, role: str) -> AssetKey:
         """The asset key of the table's asset ``role``."""
         return self.spec(table, role).key
+
+    def merged_keys(self, table: TableConfig) -> list[AssetKey]:
+        """The assets a merge of ``table`` writes: its live table, and its history table when it has one."""
+        return [self.key(table, role) for role in self.roles(table) if role in ("iceberg", HISTORY)]
 
     def run_tags(self, table_keys: Iterable[str]) -> dict[str, str]:
         """The tags of a run of this mirror on ``table_keys``: the mirror, the tables, one tag per table."""

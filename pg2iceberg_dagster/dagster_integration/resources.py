@@ -82,13 +82,16 @@ class SparkResource(ConfigurableResource):
     """The session of one run: the engine's settings (catalog secrets resolved at run time, which
     ``PySparkResource(spark_config=...)`` cannot do with EnvVar). With ``spark.warm_server`` (the
     default) the run attaches to the pipeline's long-lived Spark driver on this machine, started by
-    the first run; otherwise it starts a JVM tuned to live for one merge."""
+    the first run (not with history tables: see materializer/history.py); otherwise it starts a JVM
+    tuned to live for one merge."""
 
     pg2iceberg: ResourceDependency[Pg2IcebergResource]
 
     def get_session(self) -> Any:
         """The Spark session for this run."""
         config = self.pg2iceberg.load_config()
-        if config.spark.warm_server and not config.spark.remote:
+        # A warm driver's gateway cannot stamp commit summaries, which history tables record their position in.
+        history = any(config.history_for(table) for table in config.tables)
+        if config.spark.warm_server and not config.spark.remote and not history:
             return warm_spark_session(config)
         return build_spark_session(config, short_lived=True)

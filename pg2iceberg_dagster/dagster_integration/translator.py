@@ -18,17 +18,21 @@ from pg2iceberg_dagster.errors import ConfigError
 # The four assets of a mirrored table, upstream first: its source, its staged log, its CTID-chunk
 # snapshot and its live Iceberg table.
 ROLES = ("source", "staged_log", "snapshot", "iceberg")
+# The fifth asset of a table with history (docs/history.md): its history table, downstream of the live one.
+HISTORY = "history"
 _UPSTREAM: dict[str, tuple[str, ...]] = {
     "source": (),
     "staged_log": ("source",),
     "snapshot": ("source",),
     "iceberg": ("snapshot", "staged_log"),
+    HISTORY: ("iceberg",),
 }
 _KINDS: dict[str, set[str]] = {
     "source": {"postgres"},
     "staged_log": {"parquet"},
     "snapshot": {"iceberg", "postgres"},
     "iceberg": {"iceberg", "spark"},
+    HISTORY: {"iceberg", "spark"},
 }
 
 # The name of a mirror nobody named (``build_definitions`` without ``name=``).
@@ -200,18 +204,25 @@ class Pg2IcebergTranslator:
         *namespace, name = self.iceberg_key(table).path
         return AssetKey([*namespace, f"{name}_snapshot"])
 
+    def history_key(self, table: TableConfig) -> AssetKey:
+        """The key of the table's history table: the live table's, with the history suffix."""
+        *namespace, name = self.iceberg_key(table).path
+        return AssetKey([*namespace, _safe(name + self.config.change_metadata.history_suffix)])
+
     def group_name(self, table: TableConfig) -> str:
         """The table's asset group: ``<mirror>_<schema>`` (override to group otherwise)."""
         return f"{self.mirror_name}_{_safe(table.schema_name)}"
 
     def get_asset_spec(self, table: TableConfig, role: str) -> AssetSpec:
-        """The spec of the table's asset ``role`` (one of :data:`ROLES`). Its deps are the specs of its
-        upstream roles, asked of this method again, so an override that renames keys keeps the graph."""
+        """The spec of the table's asset ``role`` (one of :data:`ROLES`, or :data:`HISTORY` for a table
+        with history). Its deps are the specs of its upstream roles, asked of this method again, so an
+        override that renames keys keeps the graph."""
         key = {
             "source": self.source_key,
             "staged_log": self.staged_log_key,
             "snapshot": self.snapshot_key,
             "iceberg": self.iceberg_key,
+            HISTORY: self.history_key,
         }[role](table)
         metadata = {"dagster/table_name": f"{self.config.source.dbname}.{table.key}"} if role == "source" else {}
         return AssetSpec(
@@ -283,4 +294,7 @@ class Pg2IcebergTranslator:
             "page chunk. Writes the same Iceberg table as the live asset.",
             "iceberg": f"The live Iceberg table {iceberg}: the staged log MERGEd by primary key through Spark. "
             "Writes the same Iceberg table as the snapshot asset." + (f" {policy}" if policy else ""),
+            HISTORY: f"The history of {table.key} in the Iceberg table "
+            f"{iceberg}{self.config.change_metadata.history_suffix}: one row per version of each source row, valid "
+            "from/to by commit LSN and time; written by the live table's merge, right after it (docs/history.md).",
         }[role]

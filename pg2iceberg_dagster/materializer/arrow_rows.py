@@ -3,7 +3,7 @@ can read), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN`` columns the MERGE sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -13,7 +13,7 @@ from ..config import OutOfRange
 from ..iceberg.types import arrow_column, arrow_schema, text_loaders
 from ..staging.codec import DELETE
 from .change_stamp import without_fields
-from .fold import FoldResult
+from .fold import FoldedRow, FoldResult
 from .spark_sql import OP_COLUMN, UNCHANGED_COLUMN
 
 
@@ -50,6 +50,11 @@ def folded_arrow(folded: FoldResult, table: Table, rule: OutOfRange, leave_out: 
     """The folded rows as Arrow, typed like the Iceberg table (values it cannot hold mapped by
     ``rule``), with the ``OP_COLUMN`` and ``UNCHANGED_COLUMN``; the columns ``leave_out`` names (no
     source columns) are not among them."""
+    return rows_arrow(folded.rows.values(), table, rule, leave_out)
+
+
+def rows_arrow(rows: Iterable[FoldedRow], table: Table, rule: OutOfRange, leave_out: Sequence[str] = ()) -> pa.Table:
+    """``rows`` as Arrow (see :func:`folded_arrow`), in their order (a key may have several)."""
     iceberg_arrow = without_fields(arrow_schema(table.schema()), leave_out)
     spark_schema = spark_arrow_schema(iceberg_arrow)
     columns = [field.name for field in iceberg_arrow]
@@ -58,7 +63,7 @@ def folded_arrow(folded: FoldResult, table: Table, rule: OutOfRange, leave_out: 
     values: dict[str, list[Any]] = {name: [] for name in columns}
     ops: list[str] = []
     unchanged: list[list[str]] = []
-    for row in folded.rows.values():
+    for row in rows:
         relation = row.relation
         if relation is not None and id(relation) not in loaders_by_relation:
             loaders_by_relation[id(relation)] = dict(

@@ -46,6 +46,11 @@ def _commit_properties_holder(spark: Any) -> Any | None:
         return None
 
 
+def commit_properties_available(spark: Any) -> bool:
+    """Whether Spark SQL commits made on this thread can carry summary properties (see the module's docstring)."""
+    return _commit_properties_holder(spark) is not None
+
+
 @contextlib.contextmanager
 def snapshot_properties(spark: Any, properties: Mapping[str, str]) -> Iterator[None]:
     """Add ``properties`` to the summary of the Iceberg commits Spark SQL makes in this block on

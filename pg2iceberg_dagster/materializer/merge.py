@@ -24,6 +24,7 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table
 
 from ..config import PipelineConfig, TableConfig
@@ -46,6 +47,7 @@ from ..iceberg.evolution import (
     refuse_unidentified_columns,
     schema_follows_source,
 )
+from ..iceberg.history import HistoryPosition, history_position
 from ..iceberg.layout import apply_layout
 from ..iceberg.types import arrow_schema
 from ..iceberg.values import null_key_refusal, null_key_rows
@@ -57,12 +59,13 @@ from ..source.xid_snapshot import XidSnapshot
 from ..staging.codec import COMMIT_LSN_COLUMN, DELETE, StagedRelation, changes_of, commit_lsns_of, read_staged
 from ..staging.store import ObjectStore
 from ..tables import MirroredTables
-from .align import align_batches
+from .align import StagedBatch, align_batches
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .branch import spark_view, write_on_branch
 from .change_stamp import stamp_merged, without_fields
 from .commit_properties import snapshot_properties
 from .fold import UPSERT, fold
+from .history import HistoryWriter
 from .lanes import LaneConnections, on_lanes
 from .spark_sql import (
     OP_COLUMN,
@@ -135,8 +138,9 @@ class MergeResult:
 
 # read: staged files fetched and decoded; fold: folded by key (plus TOAST fills and schema evolution);
 # arrow: typed Arrow rows handed to Spark; spark_start: the session created (first merge of a process);
-# spark_merge: the MERGE INTO (Iceberg commit included); commit: mat_cursor advanced.
-PHASES = ("read", "fold", "arrow", "spark_start", "spark_merge", "commit")
+# spark_merge: the MERGE INTO (Iceberg commit included); history: the history table's MERGE (tables with
+# history); commit: mat_cursor advanced.
+PHASES = ("read", "fold", "arrow", "spark_start", "spark_merge", "history", "commit")
 
 
 @contextlib.contextmanager
@@ -169,6 +173,8 @@ class PreparedBatch:
     # The last TRUNCATE's commit LSN and time (see fold.FoldResult).
     truncated_lsn: int = 0
     truncated_at: datetime | None = None
+    # The batch's changes, aligned to the table's columns (what a history table is written from).
+    staged: list[StagedBatch] = field(default_factory=list)
 
 
 log = logging.getLogger(__name__)
@@ -203,6 +209,7 @@ class _Seen:
     unpartitioned: set[str] = field(default_factory=set)
     leaves: dict[str, dict[int, int]] = field(default_factory=dict)  # leaves found equal to Iceberg's record
     columns: dict[str, str] = field(default_factory=dict)  # column signatures the Iceberg schema follows
+    histories_checked: set[str] = field(default_factory=set)  # tables whose history was looked at once
 
 
 class Materializer:
@@ -261,7 +268,8 @@ class Materializer:
         unfilled = self._table_with_fills_left(table_key) if result.lag.changes <= 0 else None
         leaves = self._leaves_changed(table_key)
         described = self._columns_changed(table_key) if result.lag.changes <= 0 else None
-        if result.lag.changes <= 0 and unfilled is None and leaves is None and described is None:
+        unseeded = result.lag.changes <= 0 and self._history_unseeded(table_key)
+        if result.lag.changes <= 0 and unfilled is None and leaves is None and described is None and not unseeded:
             return result
         with writer_lease_within(self.store, self.group, table_key, self.worker_id, LEASE_WAIT_SECONDS):
             # A resync requested since the look above: nothing may be merged past its request.
@@ -273,6 +281,9 @@ class Materializer:
                 if described is not None:
                     unfilled = self._follow_columns(table_key, described, result) or unfilled
                 self._start_spark(table_key, result.timings)
+                if self.tables[table_key].history is not None:
+                    # The first versions come from the copy as the snapshot left it: before any fill or batch.
+                    self._history_ready(table_key, self.catalog.load_table(self.tables[table_key].iceberg))
                 if unfilled is not None:
                     self._fill_pending(table_key, unfilled, result.timings)
                 self._apply_rounds(table_key, rounds, max_batches, result)
@@ -426,6 +437,43 @@ class Materializer:
         result.seconds = time.monotonic() - started
         return result
 
+    def _history_unseeded(self, table_key: str) -> bool:
+        """Whether the table's history lacks the first versions of its snapshot epoch (looked at once
+        per process and table: a table with no change to merge then has them written too)."""
+        mirrored = self.tables[table_key]
+        if mirrored.history is None or table_key in self._seen.histories_checked:
+            return False
+        self._seen.histories_checked.add(table_key)
+        epoch = self.replay_epoch(table_key)
+        try:
+            history = self.catalog.load_table(mirrored.history)
+        except NoSuchTableError:
+            return True
+        return history_position(history).epoch != (epoch.epoch if epoch is not None else 0)
+
+    def _history_ready(self, table_key: str, live: Table) -> tuple[HistoryWriter, Table, HistoryPosition] | None:
+        """The table's history writer, its history table (columns following the live table's, first
+        versions of the epoch written) and what it holds; None for a table without history. Under
+        the writer lease, before anything of the batch is written (a refusal writes nothing)."""
+        mirrored = self.tables[table_key]
+        settings = self.config.history_for(mirrored.config)
+        if mirrored.history is None or settings is None:
+            return None
+        writer = HistoryWriter(
+            self.spark,
+            self.catalog,
+            self.config.iceberg.catalog.name,
+            self.object_store,
+            mirrored,
+            settings,
+            self.config.values.out_of_range,
+        )
+        history = writer.table(live)
+        key = [live.schema().find_field(i).name for i in live.schema().identifier_field_ids]
+        cursor = self.store.mat_cursor(self.group, table_key)
+        history = writer.seed(history, live, key, self.replay_epoch(table_key), cursor)
+        return writer, history, writer.position(history, cursor)
+
     def _table_with_fills_left(self, table_key: str) -> Table | None:
         """The Iceberg table when a snapshot left defaults of added columns to fill, the first time
         this process asks for ``table_key``; else None."""
@@ -499,7 +547,7 @@ class Materializer:
                 rows = stamp_merged(fast.rows, metadata, deletion, fast.commit_lsns, fast.committed_at)
                 return PreparedBatch(
                     identifier, table, key, rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
-                    truncated=False, has_unchanged=fast.has_unchanged, vectorized=True,
+                    truncated=False, has_unchanged=fast.has_unchanged, vectorized=True, staged=staged,
                 )  # fmt: skip
             folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
@@ -518,7 +566,7 @@ class Materializer:
         return PreparedBatch(
             identifier, table, key, rows, schema_changes, folded.changes, len(folded.rows) - deletes, deletes,
             truncated=folded.truncated, has_unchanged=bool(unchanged), vectorized=False,
-            truncated_lsn=folded.truncated_lsn, truncated_at=folded.truncated_at,
+            truncated_lsn=folded.truncated_lsn, truncated_at=folded.truncated_at, staged=staged,
         )  # fmt: skip
 
     def _apply_batch(
@@ -535,6 +583,7 @@ class Materializer:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
         prepared = _without_keyless_deletes(table_key, prepared)
+        history = self._history_ready(table_key, prepared.table)
         self._fill_pending(table_key, prepared.table, timings)
         spark = self.spark
         target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
@@ -564,6 +613,11 @@ class Materializer:
             table = self.catalog.load_table(prepared.identifier)
             snapshot = table.current_snapshot()
             last = entries[-1]
+        if history is not None:
+            crash_point("materializer.before_history")
+            with timed_phase(timings, "history"):
+                self._write_history(history, prepared, entries, cursor, replay_epoch)
+        with timed_phase(timings, "commit"):
             crash_point("materializer.after_commit")
             self.store.advance_mat_cursor(
                 self.group, table_key, last.end_offset, last.flushable_lsn, snapshot.snapshot_id if snapshot else None
@@ -575,6 +629,26 @@ class Materializer:
         result.schema_changes += tuple(prepared.schema_changes)
         result.last_lsn = last.flushable_lsn
         result.snapshot_id = snapshot.snapshot_id if snapshot else None
+
+    def _write_history(
+        self,
+        history: tuple[HistoryWriter, Table, HistoryPosition],
+        prepared: PreparedBatch,
+        entries: list[LogEntry],
+        cursor: int,
+        replay_epoch: SnapshotEpoch | None,
+    ) -> None:
+        """Add the batch's versions to the history table (see :class:`.history.HistoryWriter`)."""
+        writer, table, position = history
+
+        def staged_from(offset: int) -> list[StagedBatch]:
+            if offset <= cursor:
+                return prepared.staged
+            # The history holds part of this batch already (written before a crash, when the batch was shorter).
+            later = [entry for entry in entries if entry.end_offset > offset]
+            return align_batches(list(staged_changes(self.object_store, later, offset, replay_epoch)), prepared.table)
+
+        writer.write(table, position, staged_from, entries[-1].end_offset, prepared.key)
 
     def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> contextlib.AbstractContextManager[str]:
         """``rows`` as a Spark temporary view (see :func:`.branch.spark_view`)."""

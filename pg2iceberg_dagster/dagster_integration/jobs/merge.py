@@ -16,7 +16,7 @@ def merge_job(mirror: Mirror) -> UnresolvedAssetJobDefinition:
     again, before the step could begin."""
     return define_asset_job(
         mirror.named("merge"),
-        selection=AssetSelection.assets(*[mirror.key(table, "iceberg") for table in mirror.tables]),
+        selection=AssetSelection.assets(*[key for table in mirror.tables for key in mirror.merged_keys(table)]),
         description="MERGE the staged WAL changes of the selected live tables into Iceberg (one Spark "
         "session for them all), then their checks. Launched by the merge sensor; the run's "
         "pg2iceberg/tables tag lists its tables, and each has a pg2iceberg/table.<table> tag.",

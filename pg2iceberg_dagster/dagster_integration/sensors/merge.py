@@ -98,7 +98,7 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
         return SensorResult(
             run_requests=[
                 RunRequest(
-                    asset_selection=keys,
+                    asset_selection=[written for key in ready for written in mirror.merged_keys(tables[key])],
                     asset_check_keys=[check for key in keys for check in live_check_keys(key)],
                     tags=mirror.run_tags(ready),
                 )
