@@ -302,3 +302,24 @@ def test_a_column_retyped_beyond_widening_is_kept_aside_after_the_resync(source:
 
 def _aside_n(row: dict[str, Any]) -> dict[str, Any]:
     return {("n__was_int" if name == "n" else name): value for name, value in row.items()}
+
+
+def test_the_history_of_a_table_whose_name_ends_a_url_lives_beside_it(source: SourceDb) -> None:
+    """A table named with ``?`` and ``#`` (which would end a file URL's path) gets its history files
+    under escaped path segments as its live table does, and its history reads back as the source."""
+    source.execute('CREATE TABLE public."odd?name#1" (id int PRIMARY KEY, v text)')
+    source.execute("""INSERT INTO public."odd?name#1" SELECT g, 'v' || g FROM generate_series(1, 20) g""")
+    pipeline = source.pipeline(source.config([{"name": 'public."odd?name#1"', "history": True}]))
+    pipeline.snapshot()
+    source.execute("""UPDATE public."odd?name#1" SET v = 'changed' WHERE id <= 5""")
+    sync(pipeline)
+    assert_mirrored(pipeline)
+    identifier = pipeline.tables["public.odd?name#1"].history
+    assert identifier is not None
+    history = pipeline.catalog.load_table(identifier)
+    assert "?" not in history.location() and "#" not in history.location()
+    current = history.scan(row_filter=as_of(history, 2**62)).to_arrow().to_pylist()
+    assert sorted((row["id"], row["v"]) for row in current) == [
+        (i, "changed" if i <= 5 else f"v{i}") for i in range(1, 21)
+    ]
+    assert len(history.scan().to_arrow()) == 25  # 20 first versions, 5 updates

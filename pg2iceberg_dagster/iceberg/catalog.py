@@ -162,7 +162,7 @@ def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: Mirrored
     return catalog.create_table_if_not_exists(
         identifier,
         schema,
-        location=_location(config, identifier),
+        location=new_table_location(config, identifier),
         partition_spec=spec,
         sort_order=sort_order,
         properties=properties,
@@ -196,7 +196,7 @@ def align_delete_formats(catalog: Catalog, config: PipelineConfig, tables: Itera
             )
 
 
-def _location(config: PipelineConfig, identifier: tuple[str, str]) -> str | None:
+def new_table_location(config: PipelineConfig, identifier: tuple[str, str]) -> str | None:
     """Where a new table's files go when its names are not plain (``?`` or ``#`` would end the path
     of a URL, ``/`` nest it): ``<warehouse>/<namespace segment>/<name segment>``. None (the catalog's
     own default, the same path) for plain names, and where the warehouse is not a path (a REST

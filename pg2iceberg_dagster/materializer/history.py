@@ -68,10 +68,12 @@ class HistoryWriter:
         mirrored: MirroredTable,
         settings: ChangeMetadataConfig,
         rule: OutOfRange,
+        location: str | None,
     ) -> None:
+        """``location``: where a new history table's files go (None: the catalog's default)."""
         assert mirrored.history is not None
         self.spark, self.catalog, self.objects, self.mirrored = spark, catalog, objects, mirrored
-        self.settings, self.rule = settings, rule
+        self.settings, self.rule, self.location = settings, rule, location
         self.identifier = mirrored.history
         self.target = spark_identifier(catalog_name, *mirrored.history)
         self.live_target = spark_identifier(catalog_name, *mirrored.iceberg)
@@ -84,7 +86,9 @@ class HistoryWriter:
                 "and this Spark session cannot set commit properties (a warm driver's gateway, or not Spark "
                 "classic); set spark.warm_server: false, or turn history off for the table"
             )
-        return ensure_history_table(self.catalog, self.identifier, live, self.settings, self.mirrored.key)
+        return ensure_history_table(
+            self.catalog, self.identifier, live, self.settings, self.mirrored.key, self.location
+        )
 
     def seed(self, history: Table, live: Table, key: list[str], epoch: SnapshotEpoch | None, cursor: int) -> Table:
         """Write the first versions of the epoch's copy (the live table as the snapshot left it), closing

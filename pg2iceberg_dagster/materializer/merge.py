@@ -32,6 +32,7 @@ from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_l
 from ..coordination.records import Lag, LogEntry, SnapshotEpoch, is_repair, resync_command
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
+from ..iceberg.catalog import new_table_location
 from ..iceberg.change_metadata import deletion_columns, ensure_configured_columns, metadata_columns, metadata_names
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
@@ -467,6 +468,7 @@ class Materializer:
             mirrored,
             settings,
             self.config.values.out_of_range,
+            new_table_location(self.config, mirrored.history),
         )
         history = writer.table(live)
         key = [live.schema().find_field(i).name for i in live.schema().identifier_field_ids]
