@@ -154,10 +154,7 @@ def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: Mirrored
     with contextlib.suppress(NamespaceAlreadyExistsError, IntegrityError):
         catalog.create_namespace(namespace)
     schema = iceberg_schema(source.columns, source.primary_key)
-    properties = {**config.iceberg.table_properties, **attnum_properties(schema, source.columns)}
-    delete_format = config.delete_format_of(mirrored.config)
-    if delete_format is not None:
-        properties.update(format_properties(delete_format))
+    properties = {**new_table_properties(config, mirrored), **attnum_properties(schema, source.columns)}
     spec, sort_order = initial_layout(schema, mirrored.config, source.columns)
     return catalog.create_table_if_not_exists(
         identifier,
@@ -167,6 +164,16 @@ def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: Mirrored
         sort_order=sort_order,
         properties=properties,
     )
+
+
+def new_table_properties(config: PipelineConfig, mirrored: MirroredTable) -> dict[str, str]:
+    """The properties a new Iceberg table of ``mirrored`` (its live or its history table) starts with:
+    the configured table properties and the write modes of its declared delete format."""
+    properties = dict(config.iceberg.table_properties)
+    delete_format = config.delete_format_of(mirrored.config)
+    if delete_format is not None:
+        properties.update(format_properties(delete_format))
+    return properties
 
 
 def align_delete_formats(catalog: Catalog, config: PipelineConfig, tables: Iterable[MirroredTable]) -> None:

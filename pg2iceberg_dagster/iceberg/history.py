@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pyiceberg.catalog import Catalog
@@ -112,9 +113,11 @@ def ensure_history_table(
     settings: ChangeMetadataConfig,
     table_key: str,
     location: str | None,
+    properties: Mapping[str, str],
 ) -> Table:
     """The history table of ``live`` at ``identifier``: created when missing (at ``location``, None
-    for the catalog's default), its columns following the live table's (see :func:`follow_live_columns`)."""
+    for the catalog's default, with the table ``properties``), its columns following the live
+    table's (see :func:`follow_live_columns`)."""
     columns = HistoryColumns.of(settings)
     clash = sorted({field.name for field in source_fields(live)} & set(columns.names))
     if clash:
@@ -135,8 +138,10 @@ def ensure_history_table(
         ]
         schema = Schema(*[NestedField(i + 1, f.name, f.field_type, False, f.doc) for i, f in enumerate(fields)])
         live_fields = json.dumps({field.name: field.field_id for field in source_fields(live)}, sort_keys=True)
-        properties = {HISTORY_COLUMNS: json.dumps(columns.__dict__), LIVE_FIELDS: live_fields}
-        return catalog.create_table_if_not_exists(identifier, schema, location=location, properties=properties)
+        own = {HISTORY_COLUMNS: json.dumps(columns.__dict__), LIVE_FIELDS: live_fields}
+        return catalog.create_table_if_not_exists(
+            identifier, schema, location=location, properties={**properties, **own}
+        )
     recorded = HistoryColumns.recorded(table)
     if recorded != columns:
         raise ConfigError(

@@ -13,7 +13,7 @@ resync's new epoch closes the versions current until then at the copy's LSN.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -69,11 +69,13 @@ class HistoryWriter:
         settings: ChangeMetadataConfig,
         rule: OutOfRange,
         location: str | None,
+        properties: Mapping[str, str],
     ) -> None:
-        """``location``: where a new history table's files go (None: the catalog's default)."""
+        """``location`` and ``properties``: where a new history table's files go (None: the catalog's
+        default) and the table properties it starts with."""
         assert mirrored.history is not None
         self.spark, self.catalog, self.objects, self.mirrored = spark, catalog, objects, mirrored
-        self.settings, self.rule, self.location = settings, rule, location
+        self.settings, self.rule, self.location, self.properties = settings, rule, location, properties
         self.identifier = mirrored.history
         self.target = spark_identifier(catalog_name, *mirrored.history)
         self.live_target = spark_identifier(catalog_name, *mirrored.iceberg)
@@ -87,7 +89,7 @@ class HistoryWriter:
                 "classic); set spark.warm_server: false, or turn history off for the table"
             )
         return ensure_history_table(
-            self.catalog, self.identifier, live, self.settings, self.mirrored.key, self.location
+            self.catalog, self.identifier, live, self.settings, self.mirrored.key, self.location, self.properties
         )
 
     def seed(self, history: Table, live: Table, key: list[str], epoch: SnapshotEpoch | None, cursor: int) -> Table:

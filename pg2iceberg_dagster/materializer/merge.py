@@ -32,7 +32,7 @@ from ..coordination.protocol import LEASE_WAIT_SECONDS, StagedLogStore, writer_l
 from ..coordination.records import Lag, LogEntry, SnapshotEpoch, is_repair, resync_command
 from ..errors import Pg2IcebergError, ResyncRequiredError
 from ..faults import crash_point
-from ..iceberg.catalog import new_table_location
+from ..iceberg.catalog import new_table_location, new_table_properties
 from ..iceberg.change_metadata import deletion_columns, ensure_configured_columns, metadata_columns, metadata_names
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import (
@@ -469,6 +469,7 @@ class Materializer:
             settings,
             self.config.values.out_of_range,
             new_table_location(self.config, mirrored.history),
+            new_table_properties(self.config, mirrored),
         )
         history = writer.table(live)
         key = [live.schema().find_field(i).name for i in live.schema().identifier_field_ids]
