@@ -323,3 +323,33 @@ def test_the_history_of_a_table_whose_name_ends_a_url_lives_beside_it(source: So
         (i, "changed" if i <= 5 else f"v{i}") for i in range(1, 21)
     ]
     assert len(history.scan().to_arrow()) == 25  # 20 first versions, 5 updates
+
+
+def test_maintenance_compacts_and_expires_the_history_and_it_stays_exact(source: SourceDb) -> None:
+    """A maintenance pass compacts the history table's files and expires its old snapshots, but keeps
+    the one recording what the history holds: later merges neither lose nor repeat a version."""
+    eager = {"snapshot_retention_hours": 0, "min_snapshots": 1, "orphan_min_age_hours": 0}
+    # Merge-on-read: the history's MERGEs write delete files, so compaction commits after its last write.
+    record = _items(source)
+    table = {"name": KEY, "history": True, "delete_format": "merge-on-read"}
+    pipeline = source.pipeline(source.config([table], maintenance=eager))
+    pipeline.snapshot()
+    record.record()
+    pipeline.materialize()
+    for round_ in range(4):
+        record(f"UPDATE public.items SET n = n + {round_ + 1} WHERE id <= {round_ + 2}")
+        sync(pipeline)
+    before = _history(pipeline)
+    assert len(before.snapshots()) >= 5
+    (result,) = pipeline.maintain([KEY])
+    assert result.history is not None and not result.skipped
+    after = _history(pipeline)
+    assert len(after.snapshots()) < len(before.snapshots())
+    assert result.history.before.delete_files and not result.history.after.delete_files
+    assert result.history.rewrites.snapshots_expired and result.history.rewrites.files_expired
+    _assert_history_exact(pipeline, record.states)
+    record("UPDATE public.items SET n = 0 WHERE id IN (1, 8)")
+    record("DELETE FROM public.items WHERE id = 3")
+    sync(pipeline)
+    _assert_history_exact(pipeline, record.states)
+    assert_mirrored(pipeline)

@@ -96,6 +96,17 @@ def history_position(table: Table) -> HistoryPosition:
     return HistoryPosition(None, 0)
 
 
+def snapshots_to_keep(table: Table) -> int:
+    """How many of the history table's newest snapshots reach back to the last one recording its
+    position (see :func:`history_position`): snapshot expiry keeps at least these, or the position
+    would be lost and the versions written again."""
+    snapshots = table.snapshots()
+    for back, snapshot in enumerate(reversed(snapshots), start=1):
+        if HISTORY_EPOCH in (snapshot.summary.additional_properties if snapshot.summary else {}):
+            return back
+    return len(snapshots)
+
+
 def source_fields(live: Table) -> list[NestedField]:
     """The live table's source columns, optional (a history table has no key: a key has many rows)."""
     leave_out = metadata_names(live)

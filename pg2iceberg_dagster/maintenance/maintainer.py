@@ -12,6 +12,9 @@ what is left):
 3. orphan files older than ``orphan_min_age_hours`` deleted (what a crash left, in any step or any
    writer);
 4. the staged log: files every group applied, unregistered uploads, merge batches a crash left.
+
+A table's history table (docs/history.md) gets steps 1-3 in the same pass; its expiry keeps the
+snapshot recording what the history holds.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyiceberg.catalog import Catalog
+from pyiceberg.table import Table
 
 from ..cleanup import collect_table_garbage
 from ..config import PipelineConfig
 from ..coordination.protocol import LEASE_WAIT_SECONDS, writer_lease_within
 from ..coordination.store import CoordinationStore
 from ..faults import crash_point
+from ..iceberg.history import snapshots_to_keep
 from ..staging.store import ObjectStore, merge_batch_prefix
 from ..tables import MirroredTables
 from .health import TableHealth, compaction_due, measured_health, summary_health
@@ -53,6 +58,7 @@ class MaintenanceResult:
     orphans_removed: int = 0
     staged_files_removed: int = 0
     seconds: float = 0.0
+    history: IcebergUpkeep | None = None  # of its history table, when it has one
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -65,6 +71,25 @@ class MaintenanceResult:
             "orphans_removed": self.orphans_removed,
             "staged_files_removed": self.staged_files_removed,
             "seconds": round(self.seconds, 3),
+            "history": self.history.as_json() if self.history else None,
+        }
+
+
+@dataclass
+class IcebergUpkeep:
+    """What steps 1-3 did to one Iceberg table."""
+
+    before: TableHealth
+    after: TableHealth
+    rewrites: Rewrites
+    orphans_removed: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "before": self.before.as_dict(),
+            "after": self.after.as_dict(),
+            **vars(self.rewrites),
+            "orphans_removed": self.orphans_removed,
         }
 
 
@@ -134,26 +159,36 @@ class Maintainer:
         return result
 
     def _pass(self, table_key: str, result: MaintenanceResult) -> None:
-        identifier = self.tables[table_key].iceberg
+        mirrored = self.tables[table_key]
+        live = self._upkeep(mirrored.iceberg, lambda _: self.settings.min_snapshots)
+        result.before, result.after, result.rewrites = live.before, live.after, live.rewrites
+        result.orphans_removed = live.orphans_removed
+        result.staged_files_removed = self._collect_staged(table_key)
+        if mirrored.history is not None and self.catalog.table_exists(mirrored.history):
+            keep = self.settings.min_snapshots
+            result.history = self._upkeep(mirrored.history, lambda history: max(keep, snapshots_to_keep(history)))
+
+    def _upkeep(self, identifier: tuple[str, str], retain_last: Callable[[Table], int]) -> IcebergUpkeep:
+        """Steps 1-3 on one Iceberg table; expiry keeps at least the newest ``retain_last(table)``
+        snapshots of the table as compaction left it."""
         settings = self.settings
         table = self.catalog.load_table(identifier)
-        result.before = measured_health(table, settings.target_file_size_bytes)
+        before = measured_health(table, settings.target_file_size_bytes)
         catalog = self.config.iceberg.catalog.name
-        if (result.before.small_files or 0) >= 2 or result.before.delete_files:
-            result.rewrites = compact(
+        rewrites = Rewrites()
+        if (before.small_files or 0) >= 2 or before.delete_files:
+            rewrites = compact(
                 self._spark_factory(), catalog, identifier, settings, sorted_table=not table.sort_order().is_unsorted
             )
         crash_point("maintenance.after_compaction")
         table = self.catalog.load_table(identifier)
-        if len(table.metadata.snapshots) > settings.min_snapshots:
-            expire_snapshots(self._spark_factory(), catalog, identifier, settings, result.rewrites)
+        if len(table.metadata.snapshots) > (keep := retain_last(table)):
+            expire_snapshots(self._spark_factory(), catalog, identifier, settings, rewrites, keep)
         crash_point("maintenance.after_expiry")
-        table = self.catalog.load_table(identifier)
-        result.orphans_removed = remove_orphan_files(table, settings.orphan_min_age_hours * 3600)
-        result.staged_files_removed = self._collect_staged(table_key)
-        table = self.catalog.load_table(identifier)
-        result.after = measured_health(table, settings.target_file_size_bytes)
-        result.rewrites.snapshots_expired = max(0, result.before.snapshots - result.after.snapshots)
+        orphans = remove_orphan_files(self.catalog.load_table(identifier), settings.orphan_min_age_hours * 3600)
+        after = measured_health(self.catalog.load_table(identifier), settings.target_file_size_bytes)
+        rewrites.snapshots_expired = max(0, before.snapshots - after.snapshots)
+        return IcebergUpkeep(before, after, rewrites, orphans)
 
     def _collect_staged(self, table_key: str) -> int:
         """The staged log's garbage of the table: applied and unregistered files, and merge batches a

@@ -78,10 +78,15 @@ def compact(
 
 
 def expire_snapshots(
-    spark: Any, catalog: str, identifier: tuple[str, str], config: MaintenanceConfig, done: Rewrites
+    spark: Any,
+    catalog: str,
+    identifier: tuple[str, str],
+    config: MaintenanceConfig,
+    done: Rewrites,
+    retain_last: int | None = None,
 ) -> None:
-    """Expire snapshots older than the retention, keeping the newest ``min_snapshots``; Iceberg deletes
-    the files only they referenced."""
+    """Expire snapshots older than the retention, keeping the newest ``retain_last`` (default
+    ``min_snapshots``); Iceberg deletes the files only they referenced."""
     cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(hours=config.snapshot_retention_hours)
     expired = call_procedure(
         spark,
@@ -90,7 +95,7 @@ def expire_snapshots(
         {
             "table": spark_string(spark_identifier(*identifier)),
             "older_than": f"TIMESTAMP {spark_string(cutoff.isoformat(sep=' '))}",
-            "retain_last": str(config.min_snapshots),
+            "retain_last": str(retain_last or config.min_snapshots),
         },
     )
     done.files_expired = sum(int(value) for name, value in expired.items() if name.startswith("deleted_"))
