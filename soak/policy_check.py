@@ -43,10 +43,12 @@ class Policy:
 
     @property
     def qualified(self) -> str:
+        """``schema.name``."""
         return f"{self.schema}.{self.name}"
 
     @property
     def soft(self) -> bool:
+        """Whether deleted rows stay, marked (``deletes: soft``)."""
         return bool(self.options.get("deletes") == "soft")
 
     def schema_columns(self) -> set[str]:
