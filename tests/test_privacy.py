@@ -22,6 +22,7 @@ import sys
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pyarrow.parquet as pq
@@ -29,7 +30,7 @@ import pytest
 import yaml
 from psycopg import sql
 
-from .conftest import SourceDb, assert_mirrored
+from .conftest import SourceDb, assert_mirrored, sync
 
 KEY_ENV = "PG2ICEBERG_TEST_PRIVACY_KEY"
 SECRET = "privacy-test-key"
@@ -212,3 +213,36 @@ def test_excluded_values_and_raw_masked_values_appear_in_no_file_table_or_log(
     assert _found([dump], secret_markers) == set()
     assert _found([logs], [*secret_markers, SECRET]) == set()
     assert hashed in "\n".join(text for path in data if "patients" in str(path) for text in _file_texts(path))
+
+
+def test_a_hashed_column_after_an_excluded_one_stays_hashed_when_a_rename_precedes_the_flusher(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch, spark: Any
+) -> None:
+    """Changes read after a RENAME carry the older names, so the flusher places their columns by
+    position; under a column list the message lacks the excluded column, and counting it put the raw
+    value of ``email`` (hashed) into ``plain``, the column before it, in staged files and Iceberg."""
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    source.execute("CREATE TABLE public.people (id int PRIMARY KEY, ssn text, plain text, email text)")
+    source.execute(
+        "INSERT INTO public.people SELECT g, 'ZQXSSN' || g, 'p' || g, 'ZQXMAIL' || g FROM generate_series(1, 9) g"
+    )
+    entry = {
+        "name": "public.people",
+        "columns": {"exclude": ["ssn"]},
+        "mask": {"email": "hash"},
+        "mask_key_env": KEY_ENV,
+    }
+    pipeline = source.pipeline(source.config([entry]))
+    pipeline.snapshot()
+    source.execute("UPDATE public.people SET email = 'ZQXMAIL-new' || id, plain = 'q' || id")
+    source.execute("ALTER TABLE public.people RENAME COLUMN plain TO plain2")
+    source.execute("UPDATE public.people SET plain2 = 'r' WHERE id = 1")  # the rename reaches Iceberg with it
+    sync(pipeline)
+    table = pipeline.catalog.load_table((f"{source.name}_public", "people"))
+    rows = sorted((r["id"], r["plain2"], r["email"]) for r in table.scan().to_arrow().to_pylist())
+    expected = [
+        (i, p, hmac.new(SECRET.encode(), e.encode(), hashlib.sha256).hexdigest())
+        for i, p, e in source.execute("SELECT id, plain2, email FROM public.people ORDER BY id")
+    ]
+    assert rows == expected
+    assert _in_files(_files(source.workdir / "staging" / source.name), [*EXCLUDED_MARKERS, RAW_MAIL]) == set()
