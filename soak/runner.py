@@ -7,7 +7,9 @@ Per seed the runner creates a fresh source database and pipeline, then:
 2. runs ``stream`` in a child process while the workload writes, killing it (armed crash points and
    ``kill -9`` after a seed-chosen number of transactions) and restarting it, with merges in between;
 3. optionally runs ``materialize`` in a child process that dies right after its Iceberg commit;
-4. stops the writes, catches up, merges, collects garbage, and compares every table row by row.
+4. stops the writes, catches up, merges, collects garbage, and compares every table row by row (the
+   table with excluded, masked and filtered columns and rows also by the soak's own check,
+   soak/policy_check.py).
 
 Whatever dies is a real process death (SIGKILL), never an exception the engine could catch.
 """
@@ -22,6 +24,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,8 @@ from pg2iceberg_dagster.maintenance.orphans import orphan_files
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.verify import TableDiff
 
-from .workload import Workload
+from .policy_check import policy_divergences
+from .workload import MASK_KEY_ENV, Workload
 
 SNAPSHOT_FAULTS = ["snapshot.mid_chunk", "snapshot.after_chunk_commit", "kill"]
 STREAM_FAULTS = [
@@ -54,6 +58,8 @@ MAINTENANCE_FAULTS = ["maintenance.after_compaction", "maintenance.after_expiry"
 SLOT_FAULTS = ["slot.dropped", "slot.invalidated"]
 # The keep size a slot invalidation is provoked with, set on the cluster only meanwhile.
 SMALL_SLOT_WAL_KEEP = "1MB"
+# The hash key of the masked column when the environment does not give one.
+SOAK_MASK_KEY = "soak-mask-key"
 
 
 @dataclass
@@ -138,11 +144,12 @@ class ChildProcess:
         return self.wait(timeout)
 
 
-def write_config(cluster: Cluster, name: str, tables: list[str], directory: Path) -> Path:
-    """The scenario's pipeline YAML: small chunks, frequent flushes, a small in-memory transaction bound."""
+def write_config(cluster: Cluster, name: str, tables: Sequence[str | dict[str, Any]], directory: Path) -> Path:
+    """The scenario's pipeline YAML: small chunks, frequent flushes, a small in-memory transaction bound.
+    ``tables``: names, or config entries."""
     data = {
         "source": {"host": cluster.host, "port": cluster.port, "dbname": name, "user": cluster.user},
-        "tables": [{"name": table} for table in tables],
+        "tables": [table if isinstance(table, dict) else {"name": table} for table in tables],
         "replication": {"slot": f"slot_{name}", "publication": f"pub_{name}", "status_interval_seconds": 1},
         "staging": {"url": f"file://{directory}/staging"},
         "iceberg": {
@@ -192,6 +199,8 @@ class Scenario:
         self.config_path: Path | None = None
         self.removed: str | None = None  # a table taken out of the config for now
         self.slot_fault = planned_slot_fault(seed, profile)
+        # Every child inherits it, and the end check hashes with it.
+        self.mask_key = os.environ.setdefault(MASK_KEY_ENV, SOAK_MASK_KEY).encode()
 
     def run(self) -> ScenarioResult:
         started = time.monotonic()
@@ -199,7 +208,7 @@ class Scenario:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.name)))
         try:
             self.workload.setup()
-            self.config_path = write_config(self.cluster, self.name, self.workload.table_keys(), self.directory)
+            self.config_path = write_config(self.cluster, self.name, self.workload.table_entries(), self.directory)
             self._snapshot_phase()
             self._stream_phase()
             self._finish()
@@ -389,13 +398,15 @@ class Scenario:
         if self.removed is None:
             self.removed = self.rng.choice(keys)
             self.config_path = write_config(
-                self.cluster, self.name, [k for k in keys if k != self.removed], self.directory
+                self.cluster, self.name, self.workload.table_entries(leaving_out=self.removed), self.directory
             )
             self._record_death(None, self._child(["cleanup", "--table", self.removed], None).wait(300))
             self.workload.kinds["remove_table"] += 1
             return
+        # Entered into the publication again: with the columns added since (docs/columns.md).
+        self.workload.table(self.removed).added_since_entry.clear()
         self.removed = None
-        self.config_path = write_config(self.cluster, self.name, keys, self.directory)
+        self.config_path = write_config(self.cluster, self.name, self.workload.table_entries(), self.directory)
         self.workload.allow_ddl = False  # a rewrite under a snapshot is not MVCC-safe (see the snapshot phase)
         child = self._child(["snapshot"], None)
         self._writes_while(child, 5, None)
@@ -431,6 +442,7 @@ class Scenario:
             self._merge(pipeline)
             pipeline.collect_garbage()
             self.result.divergences.extend(divergences_of(pipeline.verify()))
+            self._check_policies(pipeline)
             # After a last pass, nothing under a table's location is unreferenced: every crash's
             # leftovers were found.
             pipeline.maintain()
@@ -442,6 +454,14 @@ class Scenario:
             self.result.divergences.extend(divergences_of(pipeline.verify()))
 
         self._pipeline_call(catch_up_and_verify)
+
+    def _check_policies(self, pipeline: Pipeline) -> None:
+        """The soak's own comparison of each table with excluded, masked or filtered columns and rows."""
+        for table in self.workload.tables:
+            if table.options:
+                iceberg = pipeline.catalog.load_table(pipeline.tables[table.qualified].iceberg)
+                conninfo = self.cluster.conninfo(self.name)
+                self.result.divergences.extend(policy_divergences(conninfo, table.policy(), iceberg, self.mask_key))
 
     def _drop_slot(self) -> None:
         with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:

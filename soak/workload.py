@@ -4,7 +4,10 @@ The generator keeps a model of each table (its columns and the keys that exist) 
 is chosen from the seed alone: the same seed issues the same transactions in the same order. It
 covers composite keys, TOAST-sized values (left unchanged by later updates), NULL-heavy columns,
 every mapped type family, inserts, updates, key changes, deletes, multi-statement and very large
-transactions, TRUNCATE, and schema changes (add, widen, drop) at random points.
+transactions, TRUNCATE, and schema changes (add, widen, drop) at random points. One table has every
+feature of docs/columns.md and docs/change_metadata.md on: excluded columns (one TOASTed), a hashed
+column, a row filter that key changes move rows into and out of, soft deletes and change metadata; its
+only schema change is an added column, which its publication's column list never sends.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from .policy_check import Policy
+
 Generator = Callable[[random.Random], str]
+# The environment variable holding the hash key of the feature table's masked column.
+MASK_KEY_ENV = "PG2ICEBERG_SOAK_MASK_KEY"
 
 
 def _text(rng: random.Random) -> str:
@@ -122,6 +130,21 @@ class TableModel:
     # A table partitioned by LIST on its first key column: its list partitions (name -> value); rows
     # of other values land in its DEFAULT partition.
     partitions: dict[str, int] | None = None
+    # The table's config entry beyond its name (columns, mask, where, deletes, change_metadata).
+    options: dict[str, Any] = field(default_factory=dict)
+    # Columns added since the table entered the publication with a column list: never sent, never written.
+    added_since_entry: list[str] = field(default_factory=list)
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        """The table's entry in the pipeline's config."""
+        return {"name": self.qualified, **self.options}
+
+    def policy(self) -> Policy:
+        """What the mirror must hold: all columns but the excluded ones and those added since entry."""
+        left_out = {*self.options.get("columns", {}).get("exclude", []), *self.added_since_entry}
+        mirrored = [c.name for c in self.key + self.columns if c.name not in left_out]
+        return Policy(self.schema, self.name, [c.name for c in self.key], mirrored, left_out, self.options)
 
     @property
     def qualified(self) -> str:
@@ -138,7 +161,8 @@ class TableModel:
 
 
 def initial_tables() -> list[TableModel]:
-    """The workload's tables: a composite key with TOAST, a type zoo, and a wide NULL-heavy table."""
+    """The workload's tables: a composite key with TOAST, a type zoo, a wide NULL-heavy table, a
+    partitioned table, and a table with column selection, a mask, a row filter and soft deletes."""
     return [
         TableModel(
             "public",
@@ -195,6 +219,28 @@ def initial_tables() -> list[TableModel]:
             [Column("v", "text", 0.2, toast=True), Column("amount", "numeric(12,2)"), Column("at", "timestamptz")],
             partitions={"parted_r1": 1, "parted_r2": 2, "parted_r3": 3},
         ),
+        TableModel(
+            "public",
+            "members",
+            # The filter may use only replica identity columns: key changes move rows into and out of it.
+            [Column("tenant", "smallint", 0), Column("id", "bigint", 0)],
+            [
+                Column("name", "text"),
+                Column("email", "text", 0.2),
+                Column("secret", "text", 0.3),
+                Column("notes", "text", 0.3, toast=True),
+                Column("doc", "text", 0.3, toast=True),
+                Column("amount", "numeric(12,2)"),
+            ],
+            options={
+                "columns": {"exclude": ["secret", "notes"]},
+                "mask": {"email": "hash"},
+                "mask_key_env": MASK_KEY_ENV,
+                "where": "tenant <= 3",
+                "deletes": "soft",
+                "change_metadata": True,
+            },
+        ),
     ]
 
 
@@ -226,6 +272,14 @@ class Workload:
 
     def table_keys(self) -> list[str]:
         return [table.qualified for table in self.tables]
+
+    def table_entries(self, leaving_out: str | None = None) -> list[dict[str, Any]]:
+        """The config's entries of the tables (but ``leaving_out``)."""
+        return [table.entry for table in self.tables if table.qualified != leaving_out]
+
+    def table(self, key: str) -> TableModel:
+        """The model of the table ``key``."""
+        return next(table for table in self.tables if table.qualified == key)
 
     def setup(self) -> None:
         """Create the tables and fill them with ``initial_rows`` rows each."""
@@ -424,6 +478,16 @@ class Workload:
         return kind
 
     def _schema_change(self, table: TableModel) -> str:
+        if "columns" in table.options:
+            # Renaming or dropping a listed column is refused at the next start (docs/columns.md).
+            self._added += 1
+            column = Column(f"added_{self._added}", "text", 0.3)
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN {} text").format(table.ident, sql.Identifier(column.name))
+            )
+            table.columns.append(column)
+            table.added_since_entry.append(column.name)
+            return "add_unsent_column"
         roll = self.rng.random()
         widenable = [c for c in table.columns if c.type in WIDENINGS and not c.pinned]
         retypable = [c for c in table.columns if c.type in RETYPABLE and not c.pinned]

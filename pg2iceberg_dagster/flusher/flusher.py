@@ -35,6 +35,7 @@ from ..source.catalog import (
 )
 from ..source.connection import connect
 from ..source.lsn import current_wal_lsn
+from ..source.publication_policy import listed_attnums
 from ..source.replication import XLOG_HEADER, ReplicationStream, xlog_data_start
 from ..staging.codec import StagedRelation
 from ..staging.store import ObjectStore
@@ -353,7 +354,8 @@ class Flusher:
         # The message names the columns; the catalog gives each its identity (attnum, which a RENAME
         # keeps) and the value older rows read for a column added with a DEFAULT.
         attributes = table_attributes(self._catalog_conn, relation.oid)
-        identities = identify_columns(attributes, [(c.name, c.type_oid) for c in relation.columns])
+        listed = listed_attnums(table, self._catalog_conn.info.server_version)
+        identities = identify_columns(attributes, [(c.name, c.type_oid) for c in relation.columns], listed)
         names = {a.attnum: column.name for a, column in zip(identities, relation.columns, strict=True) if a is not None}
         key = tuple(names.get(table.column(name).attnum or 0, name) for name in table.primary_key)
         columns = tuple(

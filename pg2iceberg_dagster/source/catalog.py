@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -229,7 +229,9 @@ def table_attributes(conn: psycopg.Connection, oid: int) -> list[Attribute]:
     return [Attribute(*row) for row in rows]
 
 
-def identify_columns(attributes: Sequence[Attribute], columns: Sequence[tuple[str, int]]) -> list[Attribute | None]:
+def identify_columns(
+    attributes: Sequence[Attribute], columns: Sequence[tuple[str, int]], listed: Collection[int] | None = None
+) -> list[Attribute | None]:
     """The catalog's column behind each ``(name, type oid)`` of a Relation message (None: unknown).
 
     The message may be older than the catalog (the flusher reads WAL after the DDL ran): by name
@@ -238,15 +240,17 @@ def identify_columns(attributes: Sequence[Attribute], columns: Sequence[tuple[st
     RENAME together with a DROP COLUMN since the message leaves the renamed columns unknown.
     Generated columns count for the positions only when the message names one: pgoutput sends
     them only from PostgreSQL 18 on, and only for a publication with ``publish_generated_columns``.
+    Under a publication column list (``listed``: its attnums) the message has only those columns:
+    positions count among them (else a column after an excluded one would take its neighbour's place).
     """
     by_name = {attribute.name: attribute for attribute in attributes}
     named = [by_name.get(name) for name, _ in columns]
     attnums = [attribute.attnum for attribute in named if attribute is not None]
     if len(attnums) == len(columns) and attnums == sorted(attnums):
         return named
-    sent = attributes
+    sent = [attribute for attribute in attributes if listed is None or attribute.attnum in listed]
     if not any(attribute is not None and attribute.generated for attribute in named):
-        sent = [attribute for attribute in attributes if not attribute.generated]
+        sent = [attribute for attribute in sent if not attribute.generated]
     first = list(sent[: len(columns)])
     if len(first) == len(columns) and all(
         a.type_oid == type_oid for a, (_, type_oid) in zip(first, columns, strict=True)

@@ -32,6 +32,15 @@ def server_filters(table: SourceTable) -> bool:
     return bool(table.column_selection or table.row_filter)
 
 
+def listed_attnums(table: SourceTable, version: int) -> frozenset[int] | None:
+    """The attnums of the columns the publication's column list sends of ``table`` (None: every
+    column). The list is the columns mirrored at start (an ``exclude`` list's columns added since are
+    not in it), and PostgreSQL refuses to drop a listed column, so it holds while the pipeline runs."""
+    if version < MIN_SERVER_FILTER_VERSION or not table.column_selection:
+        return None
+    return frozenset(column.attnum for column in table.columns if column.attnum is not None)
+
+
 def refuse_unfilterable(tables: Sequence[SourceTable], version: int) -> None:
     """A row filter needs PostgreSQL 15+: below it the client cannot evaluate the user's SQL."""
     filtered = [table.key for table in tables if table.row_filter]
