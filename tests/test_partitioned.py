@@ -99,6 +99,53 @@ def test_partitions_attached_detached_dropped_or_truncated_while_running_are_rec
     reconciled("truncated or rewritten")
 
 
+# Partitions that join and leave between two merges. The leaf comparison sees the catalog at merge
+# time only, which keeps no trace of a dropped or detached leaf, while the rows' WAL changes were
+# staged and merged: Iceberg keeps rows the source no longer has. Known defect (soak seed 16), see
+# "Partitioned tables" in docs/correctness.md; strict, so a fix makes these tests fail until unmarked.
+BETWEEN_MERGES = {
+    # Soak seed 16: a table attached holding rows (no WAL change), two of its rows updated (WAL
+    # changes), then the partition dropped (no WAL change).
+    "attached_updated_dropped": [
+        "CREATE TABLE public.events_latam (LIKE public.events)",
+        "INSERT INTO public.events_latam SELECT g, 'latam', 'attached' FROM generate_series(1, 40) g",
+        "ALTER TABLE public.events ATTACH PARTITION public.events_latam FOR VALUES IN ('latam')",
+        "UPDATE public.events SET v = 'updated' WHERE region = 'latam' AND id IN (7, 9)",
+        "DROP TABLE public.events_latam",
+    ],
+    # A partition created empty, rows inserted into it (WAL changes), then dropped.
+    "created_filled_dropped": [
+        "CREATE TABLE public.events_emea PARTITION OF public.events FOR VALUES IN ('emea')",
+        "INSERT INTO public.events SELECT g, 'emea', 'emea' FROM generate_series(1, 30) g",
+        "DROP TABLE public.events_emea",
+    ],
+    # Detached, changed while detached (changes the publication does not send), attached again: the
+    # same oid and relfilenode as recorded.
+    "detached_changed_attached": [
+        "ALTER TABLE public.events DETACH PARTITION public.events_us",
+        "DELETE FROM public.events_us WHERE id < 100",
+        "INSERT INTO public.events_us SELECT g, 'us', 'while detached' FROM generate_series(5000, 5020) g",
+        "ALTER TABLE public.events ATTACH PARTITION public.events_us FOR VALUES IN ('us')",
+    ],
+}
+
+
+@pytest.mark.xfail(strict=True, reason="a partition that joins and leaves between two merges is not noticed")
+@pytest.mark.parametrize("sequence", sorted(BETWEEN_MERGES))
+def test_partitions_joining_and_leaving_between_two_merges_are_reconciled(source: SourceDb, sequence: str) -> None:
+    """After the sequence, a merge, the resyncs it requested and another merge, Iceberg equals the source."""
+    _events(source)
+    pipeline = source.pipeline(source.config(["public.events"]))
+    pipeline.snapshot()
+    for statement in BETWEEN_MERGES[sequence]:
+        source.execute(statement)
+    sync(pipeline)
+    for table_key in pipeline.resyncs_pending():
+        pipeline.resync(table_key)
+    sync(pipeline)
+    assert_mirrored(pipeline)
+
+
 def test_a_publication_not_publishing_through_the_root_is_refused(source: SourceDb) -> None:
     """Without publish_via_partition_root the changes would come as the leaves' own: refused with the fix."""
     _events(source)
