@@ -6,8 +6,10 @@ leave the parent with no WAL change: ``ATTACH PARTITION`` of a table holding row
 ``DROP`` of a leaf, ``TRUNCATE`` of a leaf alone (pgoutput sends none for a leaf when it publishes
 through the root), a rewrite of a leaf. The mirror records the leaves it has read (oid -> relfilenode,
 in an Iceberg table property) and compares them with the catalog before each merge: any such change
-resyncs the table. A leaf created empty (``CREATE TABLE ... PARTITION OF``), or attached with no row
-older than its attachment, only changes the record: its rows all came through the WAL.
+it sees resyncs the table. A leaf that joins and leaves again between two merges is in neither, and
+is not seen (docs/correctness.md, "Not detected"; verify and the checks show it). A leaf created
+empty (``CREATE TABLE ... PARTITION OF``), or attached with no row older than its attachment,
+only changes the record: its rows all came through the WAL.
 
 The catalog is read with plain SQL over ``pg_inherits`` and ``pg_class`` (not pg_partition_tree),
 so that inside a transaction on an imported snapshot the leaves are the ones that snapshot sees.
@@ -20,10 +22,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from ..config import PostgresConnection
 from ..errors import Pg2IcebergError
-from .connection import connect
-from .xid_snapshot import imported_snapshot
 
 # The relations under a table that hold its rows: its leaf partitions at every level, or the table
 # itself when it is not partitioned (pg_partition_tree, by contrast, lists nothing for such a table).
@@ -104,12 +103,6 @@ def leaves(conn: psycopg.Connection, oid: int) -> list[Leaf]:
 def leaf_files(found: list[Leaf]) -> dict[int, int]:
     """What the mirror records of the leaves it read: oid -> relfilenode."""
     return {leaf.oid: leaf.file_node for leaf in found}
-
-
-def leaf_files_seen_by(target: PostgresConnection, oid: int, snapshot_name: str) -> dict[int, int]:
-    """The leaves of ``oid`` as the exported snapshot ``snapshot_name`` sees them (what reads under it hold)."""
-    with connect(target) as conn, imported_snapshot(conn, snapshot_name):
-        return leaf_files(leaves(conn, oid))
 
 
 @dataclass(frozen=True)
