@@ -314,6 +314,7 @@ class Scenario:
             armed = self._armed(fault) if fault else None
             child = self._child(["stream"], armed)
             self._wait_streaming(child)
+            self._wait_repaired(child)
             kill_after = self.rng.randint(1, max(1, remaining)) if fault == "kill" else None
             done = self._writes_while(child, remaining, kill_after)
             remaining -= done
@@ -383,8 +384,26 @@ class Scenario:
             for table_key in pipeline.resyncs_pending():
                 pipeline.resync(table_key)
             pipeline.materialize()
-        if not pipeline.repairs_pending():
+        if self._repaired(pipeline):
             self.samples.close_gap("slot")
+
+    def _repaired(self, pipeline: Pipeline) -> bool:
+        """Whether a lost slot's repair is done for the tables with a history: the new slot exists (it is
+        created after every table is marked for repair) and none of them waits for a repair or resync."""
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            status = "SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s"
+            row = conn.execute(status, (f"slot_{self.name}",)).fetchone()
+        return row is not None and row[0] != "lost" and not set(pipeline.resyncs_pending()) & set(self.samples.samples)
+
+    def _wait_repaired(self, child: ChildProcess, timeout: float = 120) -> None:
+        """While a lost slot leaves a gap in the history: wait until ``child`` (a ``stream``) has repaired the
+        tables with a history, and close it, so the writes during ``child`` are sampled again."""
+        deadline = time.monotonic() + timeout
+        while "slot" in self.samples.gaps and child.alive() and time.monotonic() < deadline:
+            if self._pipeline_call(self._repaired):
+                self.samples.close_gap("slot")
+            else:
+                time.sleep(0.5)
 
     def _child_that_may_die(self, args: list[str], faults: list[str], kill_within: float) -> None:
         """Run the command ``args`` in a child armed with one of ``faults``: a crash point it dies at,
