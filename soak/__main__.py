@@ -133,7 +133,8 @@ def _run_seeds(
                     status = "ok" if result.ok else f"FAIL {result.error or result.divergences}"
                     print(
                         f"seed {seed}: {status} | faults {faults} | restarts {result.restarts} | "
-                        f"{sum(result.transactions.values())} tx | {result.seconds:.1f}s",
+                        f"{sum(result.transactions.values())} tx | {result.history_samples} history samples | "
+                        f"{result.seconds:.1f}s",
                         flush=True,
                     )
                     Path(args.report).write_text(json.dumps(summarize(results), indent=2) + "\n")

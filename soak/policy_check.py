@@ -7,7 +7,7 @@ that pass the filter, projected on the mirrored columns, each masked column as d
 specifies it (``hash``: the HMAC-SHA256 of the source value's text under the key, computed here);
 every soft-deleted key is gone from the filtered source; a key is one row; and the Iceberg schema is
 the mirrored columns and the change metadata columns, never a left-out one. Used by the soak's end
-check and by tests/test_combined_features.py.
+check, its history samples (soak/history_check.py) and tests/test_combined_features.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Per seed the runner creates a fresh source database and pipeline, then:
 3. optionally runs ``materialize`` in a child process that dies right after its Iceberg commit;
 4. stops the writes, catches up, merges, collects garbage, and compares every table row by row (the
    table with excluded, masked and filtered columns and rows also by the soak's own check,
-   soak/policy_check.py).
+   soak/policy_check.py, and its history table with the table as of sampled past LSNs,
+   soak/history_check.py).
 
 Whatever dies is a real process death (SIGKILL), never an exception the engine could catch.
 """
@@ -39,6 +40,7 @@ from pg2iceberg_dagster.maintenance.orphans import orphan_files
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.verify import TableDiff
 
+from .history_check import SampleLog, history_divergences
 from .policy_check import policy_divergences
 from .workload import MASK_KEY_ENV, Workload
 
@@ -87,6 +89,7 @@ class Profile:
     stream_kills: int = 2
     materialize_fault_rate: float = 0.2
     slot_fault_rate: float = 0.3  # seeds whose slot is lost once while the mirror is down
+    history_sample_rate: float = 0.15  # streamed transactions after which a table with history is sampled
 
 
 @dataclass
@@ -98,6 +101,7 @@ class ScenarioResult:
     armed_not_reached: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
     epoch_restarts: int = 0  # snapshots that lost their exported snapshot and started a table again
+    history_samples: int = 0  # past states the history tables were compared with at the end
     transactions: Counter[str] = field(default_factory=Counter)
     divergences: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
@@ -201,6 +205,10 @@ class Scenario:
         self.slot_fault = planned_slot_fault(seed, profile)
         # Every child inherits it, and the end check hashes with it.
         self.mask_key = os.environ.setdefault(MASK_KEY_ENV, SOAK_MASK_KEY).encode()
+        # The tables with a history, sampled between transactions (soak/history_check.py) when a generator
+        # of its own says so, so every other choice of the seed stays as it was.
+        self.samples = SampleLog([t.qualified for t in self.workload.tables if t.options.get("history")])
+        self.sample_rng = random.Random(f"history-{seed}")
 
     def run(self) -> ScenarioResult:
         started = time.monotonic()
@@ -270,6 +278,9 @@ class Scenario:
         while done < count and child.alive():
             self.workload.step()
             done += 1
+            if self.sample_rng.random() < self.profile.history_sample_rate:
+                policies = {key: self.workload.table(key).policy() for key in self.samples.samples}
+                self.samples.take(self.workload.conn, self.cluster.conninfo(self.name), policies, self.mask_key)
             if kill_after is not None and done == kill_after:
                 child.kill()
         return done
@@ -292,6 +303,7 @@ class Scenario:
         else:
             raise RuntimeError("snapshot did not complete after restarts")
         self.workload.allow_ddl = True
+        self.samples.close_gap("snapshot")
 
     def _stream_phase(self) -> None:
         remaining = self.profile.stream_writes
@@ -302,11 +314,14 @@ class Scenario:
             armed = self._armed(fault) if fault else None
             child = self._child(["stream"], armed)
             self._wait_streaming(child)
+            self._wait_repaired(child)
             kill_after = self.rng.randint(1, max(1, remaining)) if fault == "kill" else None
             done = self._writes_while(child, remaining, kill_after)
             remaining -= done
             code = child.stop() if child.alive() else child.wait()
             self._record_death(fault, code)
+            if code == 0:
+                self.samples.staged()
             if self.rng.random() < 0.5:
                 self._pipeline_call(self._merge)  # a merge while the log keeps growing
             if self.rng.random() < 0.25:
@@ -324,6 +339,7 @@ class Scenario:
         max_slot_wal_keep_size while the workload writes and checkpoints remove the WAL it holds (the
         setting is the cluster's: restored at once, so no other slot is at risk longer)."""
         slot = f"slot_{self.name}"
+        self.samples.open_gap("slot")
         with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
             if fault == "slot.dropped":
                 self.workload.step()
@@ -360,13 +376,34 @@ class Scenario:
         if self._slot_was_lost:
             self._finish_repairs(pipeline)
         pipeline.materialize()
-        if not pipeline.resyncs_pending():
-            return
-        if self.rng.random() < 0.5:
-            self._child_that_may_die(["resync"], RESYNC_FAULTS, kill_within=3.0)
-        for table_key in pipeline.resyncs_pending():
-            pipeline.resync(table_key)
-        pipeline.materialize()
+        pending = pipeline.resyncs_pending()
+        self.samples.merged(resynced=set(pending))
+        if pending:
+            if self.rng.random() < 0.5:
+                self._child_that_may_die(["resync"], RESYNC_FAULTS, kill_within=3.0)
+            for table_key in pipeline.resyncs_pending():
+                pipeline.resync(table_key)
+            pipeline.materialize()
+        if self._repaired(pipeline):
+            self.samples.close_gap("slot")
+
+    def _repaired(self, pipeline: Pipeline) -> bool:
+        """Whether a lost slot's repair is done for the tables with a history: the new slot exists (it is
+        created after every table is marked for repair) and none of them waits for a repair or resync."""
+        with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
+            status = "SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s"
+            row = conn.execute(status, (f"slot_{self.name}",)).fetchone()
+        return row is not None and row[0] != "lost" and not set(pipeline.resyncs_pending()) & set(self.samples.samples)
+
+    def _wait_repaired(self, child: ChildProcess, timeout: float = 120) -> None:
+        """While a lost slot leaves a gap in the history: wait until ``child`` (a ``stream``) has repaired the
+        tables with a history, and close it, so the writes during ``child`` are sampled again."""
+        deadline = time.monotonic() + timeout
+        while "slot" in self.samples.gaps and child.alive() and time.monotonic() < deadline:
+            if self._pipeline_call(self._repaired):
+                self.samples.close_gap("slot")
+            else:
+                time.sleep(0.5)
 
     def _child_that_may_die(self, args: list[str], faults: list[str], kill_within: float) -> None:
         """Run the command ``args`` in a child armed with one of ``faults``: a crash point it dies at,
@@ -402,6 +439,8 @@ class Scenario:
             )
             self._record_death(None, self._child(["cleanup", "--table", self.removed], None).wait(300))
             self.workload.kinds["remove_table"] += 1
+            if self.removed in self.samples.samples:
+                self.samples.open_gap("removed")
             return
         # Entered into the publication again: with the columns added since (docs/columns.md).
         self.workload.table(self.removed).added_since_entry.clear()
@@ -413,6 +452,7 @@ class Scenario:
         self._record_death(None, child.wait(600))
         self.workload.allow_ddl = True
         self.workload.kinds["add_table"] += 1
+        self.samples.close_gap("removed")
 
     @property
     def _slot_was_lost(self) -> bool:
@@ -456,12 +496,21 @@ class Scenario:
         self._pipeline_call(catch_up_and_verify)
 
     def _check_policies(self, pipeline: Pipeline) -> None:
-        """The soak's own comparison of each table with excluded, masked or filtered columns and rows."""
+        """The soak's own comparison of each table with excluded, masked or filtered columns and rows, and
+        of each history table with the samples of its table (soak/history_check.py)."""
         for table in self.workload.tables:
             if table.options:
                 iceberg = pipeline.catalog.load_table(pipeline.tables[table.qualified].iceberg)
                 conninfo = self.cluster.conninfo(self.name)
                 self.result.divergences.extend(policy_divergences(conninfo, table.policy(), iceberg, self.mask_key))
+            if table.qualified in self.samples.samples:
+                identifier = pipeline.tables[table.qualified].history
+                assert identifier is not None
+                history = pipeline.catalog.load_table(identifier)
+                samples = self.samples.samples[table.qualified]
+                key = [column.name for column in table.key]
+                self.result.divergences.extend(history_divergences(history, samples, key, self.seed))
+                self.result.history_samples += len(samples)
 
     def _drop_slot(self) -> None:
         with psycopg.connect(self.cluster.conninfo("postgres"), autocommit=True) as conn:
@@ -515,6 +564,7 @@ def summarize(results: list[ScenarioResult]) -> dict[str, Any]:
         "armed_but_not_reached": dict(sorted(unreached.items())),
         "restarts": sum(r.restarts for r in results),
         "epoch_restarts": sum(r.epoch_restarts for r in results),
+        "history_samples": sum(r.history_samples for r in results),
         "transactions": dict(sorted(kinds.items())),
         "transactions_total": sum(kinds.values()),
         "seconds": round(sum(r.seconds for r in results), 1),

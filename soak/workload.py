@@ -5,9 +5,10 @@ is chosen from the seed alone: the same seed issues the same transactions in the
 covers composite keys, TOAST-sized values (left unchanged by later updates), NULL-heavy columns,
 every mapped type family, inserts, updates, key changes, deletes, multi-statement and very large
 transactions, TRUNCATE, and schema changes (add, widen, drop) at random points. One table has every
-feature of docs/columns.md and docs/change_metadata.md on: excluded columns (one TOASTed), a hashed
-column, a row filter that key changes move rows into and out of, soft deletes and change metadata; its
-only schema change is an added column, which its publication's column list never sends.
+feature of docs/columns.md, docs/change_metadata.md and docs/history.md on: excluded columns (one
+TOASTed), a hashed column, a row filter that key changes move rows into and out of, soft deletes, change
+metadata and a history table; its only schema change is an added column, which its publication's column
+list never sends.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class TableModel:
 
 def initial_tables() -> list[TableModel]:
     """The workload's tables: a composite key with TOAST, a type zoo, a wide NULL-heavy table, a
-    partitioned table, and a table with column selection, a mask, a row filter and soft deletes."""
+    partitioned table, and a table with column selection, a mask, a row filter, soft deletes and history."""
     return [
         TableModel(
             "public",
@@ -239,6 +240,7 @@ def initial_tables() -> list[TableModel]:
                 "where": "tenant <= 3",
                 "deletes": "soft",
                 "change_metadata": True,
+                "history": True,
             },
         ),
     ]

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from dagster import AssetKey, instance_for_test
 
@@ -22,6 +23,8 @@ from pg2iceberg_dagster.errors import ConfigError
 from pg2iceberg_dagster.iceberg.history import HistoryColumns, as_of
 from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.pipeline import Pipeline
+from soak.history_check import Sample, history_divergences, take_sample
+from soak.policy_check import Policy
 
 from .conftest import Crash, SourceDb, assert_mirrored, sync
 from .test_dagster import _launch, _merge_requested, _write_config
@@ -353,3 +356,43 @@ def test_maintenance_compacts_and_expires_the_history_and_it_stays_exact(source:
     sync(pipeline)
     _assert_history_exact(pipeline, record.states)
     assert_mirrored(pipeline)
+
+
+def test_the_soak_history_check_passes_on_the_history_and_names_a_perturbed_sample(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak's history check (soak/history_check.py) on a table with an excluded, a hashed and a
+    filtered part: the samples taken between transactions are reproduced as of their LSNs; a sample with
+    one value changed is reported with the seed, the sample, its LSN and the differing row."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, name text, email text, secret text)")
+    source.execute("INSERT INTO public.items SELECT g, 'n' || g, g || '@x', 's' || g FROM generate_series(1, 6) g")
+    options = {"columns": {"exclude": ["secret"]}, "mask": {"email": "hash"}, "where": "id <= 10"}
+    policy = Policy("public", "items", ["id"], ["id", "name", "email"], {"secret"}, options)
+    secret = b"history-check-key"
+    monkeypatch.setenv("SOAK_HC_KEY", secret.decode())
+    pipeline = source.pipeline(
+        source.config([{"name": KEY, "history": True, "mask_key_env": "SOAK_HC_KEY", **options}])
+    )
+    pipeline.snapshot()
+    samples: list[Sample] = []
+    with psycopg.connect(source.conninfo, autocommit=True) as writer:
+        for number, statement in enumerate(
+            [
+                "UPDATE public.items SET name = 'first' WHERE id = 1",
+                "UPDATE public.items SET secret = 'only excluded' WHERE id = 2",
+                "UPDATE public.items SET id = 20 WHERE id = 3",  # out of the filter
+                "DELETE FROM public.items WHERE id = 4",
+                "INSERT INTO public.items VALUES (7, 'seven', '7@x', 's7')",
+            ]
+        ):
+            writer.execute(statement)
+            samples.append(take_sample(writer, source.conninfo, policy, secret, number))
+        sync(pipeline)
+    history = _history(pipeline)
+    assert history_divergences(history, samples, ["id"], seed=5) == []
+    changed = dict(samples[2].rows)
+    changed[(1,)] = (1, "perturbed", changed[(1,)][2])
+    perturbed = Sample(samples[2].number, samples[2].lsn, samples[2].columns, 1, changed)
+    (found,) = history_divergences(history, [samples[0], perturbed], ["id"], seed=5)
+    assert (found["seed"], found["sample"], found["lsn"], found["differences"]) == (5, 2, samples[2].lsn, 1)
+    assert found["examples"] == [{"key": "(1,)", "name": {"history": "first", "source": "perturbed"}}]
