@@ -508,6 +508,11 @@ class MaterializeConfig(_Strict):
     # branch, then fast-forwards main (one commit), instead of a MERGE that shuffles the whole table.
     # Below it the MERGE's one commit is cheaper (measured crossover on 2 cores: about 300k rows).
     branch_upsert_min_rows: int = Field(300_000, ge=0)
+    # A batch into a copy-on-write table of at most this many rows (its keys of integer, text or date
+    # types, every column carried) is written by pyiceberg in this process: its keys deleted and its
+    # upserts appended in one commit. A Spark MERGE costs about 0.2 CPU-seconds whatever its size; this
+    # costs a few hundredths for a small table (bench/tables.py). 0: always Spark.
+    pyiceberg_max_rows: int = Field(100_000, ge=0)
     # Tables merged at once on the one Spark session (each with its own connections): a small
     # table's merge is mostly Spark's per-statement overhead, which other merges fill. Four at a
     # time took about half the time per table of one at a time on 2 cores (bench/tables.py).
