@@ -290,9 +290,9 @@ class Materializer:
                     self._follow_leaves(table_key, leaves)
                 if described is not None:
                     unfilled = self._follow_columns(table_key, described, result) or unfilled
-                self._start_spark(table_key, result.timings)
                 if self.tables[table_key].history is not None:
                     # The first versions come from the copy as the snapshot left it: before any fill or batch.
+                    self._start_spark(table_key, result.timings)
                     self._history_ready(table_key, self.catalog.load_table(self.tables[table_key].iceberg))
                 if unfilled is not None:
                     self._fill_pending(table_key, unfilled, result.timings)
@@ -441,7 +441,6 @@ class Materializer:
         if not self._mergeable(table_key, result):
             return result
         if result.lag.mat_cursor < head:
-            self._start_spark(table_key, result.timings)
             self._apply_until(table_key, head, flushed, None, result)
         result.lag = self.store.lag(self.group, table_key)
         result.seconds = time.monotonic() - started
@@ -500,8 +499,9 @@ class Materializer:
         return replay_epoch(self.store, table_key)
 
     def _start_spark(self, table_key: str, timings: dict[str, float]) -> None:
-        """Create the session and resolve the table in it before the batch is read: a new JVM takes
-        seconds, and what is staged meanwhile then joins this merge instead of waiting for the next."""
+        """Create the session when a merge first needs it (a batch pyiceberg does not write, a fill, a
+        history table), and resolve the table in it: a process whose batches pyiceberg writes (a
+        Dagster run) never starts or attaches to a JVM."""
         if self._spark is not None:
             return
         with timed_phase(timings, "spark_start"):
@@ -596,6 +596,8 @@ class Materializer:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
         prepared = _without_keyless_deletes(table_key, prepared)
+        if self.tables[table_key].history is not None:
+            self._start_spark(table_key, timings)
         history = self._history_ready(table_key, prepared.table)
         self._fill_pending(table_key, prepared.table, timings)
         properties = {SOURCE_LSN: format_lsn(complete_lsn)} if complete_lsn is not None else {}
@@ -608,6 +610,7 @@ class Materializer:
                 replace_keys(prepared.table, prepared.rows, prepared.key, properties)
             result.pyiceberg_writes += 1
         else:
+            self._start_spark(table_key, timings)
             with timed_phase(timings, "spark_merge"):
                 self._merge_batch(table_key, prepared, properties)
         with timed_phase(timings, "commit"):
@@ -753,6 +756,7 @@ class Materializer:
         fills = pending_fills(table)
         if not fills:
             return
+        self._start_spark(table_key, timings)
         identifier = self.tables[table_key].iceberg
         with timed_phase(timings, "spark_merge"):
             iceberg_arrow = arrow_schema(table.schema())
