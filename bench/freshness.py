@@ -147,10 +147,13 @@ class Measurement:
 
 def write_config(pg: EmbeddedPostgres, root: Path, name: str, args: Any) -> tuple[PipelineConfig, Path]:
     """The pipeline config of one mode (own state database, slot and staging), also written as YAML.
-    Defaults everywhere except what ``--flush-interval``, ``--flush-min-interval`` and ``--property`` set."""
+    Defaults everywhere except what ``--flush-interval``, ``--flush-min-interval``, ``--min-run-interval`` and
+    ``--property`` set."""
     flush = {"interval_seconds": args.flush_interval, "min_interval_seconds": args.flush_min_interval}
     flush = {key: value for key, value in flush.items() if value is not None}
     sections: dict[str, Any] = {"flush": flush} if flush else {}
+    if args.min_run_interval is not None:
+        sections["materialize"] = {"min_run_interval_seconds": args.min_run_interval}
     if args.property:
         properties = {"format-version": "2", **dict(p.split("=", 1) for p in args.property)}
         sections["iceberg"] = {"table_properties": properties}
@@ -385,6 +388,11 @@ def main() -> None:
         "--flush-min-interval", type=float, help="flush.min_interval_seconds (default: the config default)"
     )
     parser.add_argument(
+        "--min-run-interval",
+        type=float,
+        help="materialize.min_run_interval_seconds (default: the config default; 0 for the freshest Dagster runs)",
+    )
+    parser.add_argument(
         "--property", action="append", default=[], metavar="KEY=VALUE", help="an Iceberg table property"
     )
     args = parser.parse_args()
@@ -400,6 +408,7 @@ def main() -> None:
             "poll_seconds": POLL_SECONDS,
             "flush_interval": args.flush_interval,
             "flush_min_interval": args.flush_min_interval,
+            "min_run_interval": args.min_run_interval,
             "properties": args.property,
         },
         ["mode", "span", "count", "p50_s", "p90_s", "p99_s", "max_s"],
