@@ -109,3 +109,20 @@ def test_batches_pyiceberg_cannot_write_exactly_go_through_spark(
     source.execute("UPDATE public.items SET v = 'changed' WHERE id <= 5; DELETE FROM public.items WHERE id = 7")
     assert _merged(pipeline) == (1, 0)
     assert_mirrored(pipeline)
+
+
+def test_a_table_switched_to_copy_on_write_keeps_its_position_deletes(source: SourceDb) -> None:
+    """A merge-on-read table's delete files stay after its format changes until maintenance compacts
+    them: pyiceberg, rewriting a data file they apply to, keeps the rows they deleted deleted."""
+    pipeline = _mirrored(source, "CREATE TABLE public.items (id int PRIMARY KEY, v text)", MOR)
+    source.execute("DELETE FROM public.items WHERE id <= 10; UPDATE public.items SET v = 'mor' WHERE id = 20")
+    assert _merged(pipeline) == (1, 0)  # position deletes written by Spark
+    assert_mirrored(pipeline)
+    pipeline.close()
+    switched = source.config([{"name": "public.items", "delete_format": "copy-on-write"}])
+    pipeline = source.pipeline(switched)
+    pipeline.validate()  # the table takes the copy-on-write write modes; its delete files stay
+    source.execute("UPDATE public.items SET v = 'cow' WHERE id BETWEEN 11 AND 30")
+    batches = _merged(pipeline)
+    assert_mirrored(pipeline)
+    assert batches == (1, 1)
