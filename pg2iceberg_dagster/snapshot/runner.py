@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
@@ -33,8 +34,9 @@ from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import evolve_schema, rebuild_schema
 from ..iceberg.layout import apply_layout, follow_layout
 from ..materializer.change_stamp import stamp_snapshot
-from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_by
+from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_in
 from ..source.connection import connect
+from ..source.xid_snapshot import imported_snapshot
 from ..tables import MirroredTables
 from ..validation import StartupReport
 from .chunks import (
@@ -44,6 +46,7 @@ from .chunks import (
     commit_chunks,
     committed_chunk_markers,
     empty_for_epoch,
+    epoch_properties,
     plan_table_chunks,
     read_chunk,
     write_chunk,
@@ -83,6 +86,24 @@ class TableSnapshotResult:
     complete: bool = False
 
 
+@dataclass(frozen=True)
+class SourceSessions:
+    """The source connections entering tables into an epoch uses, shared by every table of a run:
+    ``now`` plans chunks on the table's pages as they are now, ``seen`` is in a transaction on the
+    epoch's exported snapshot (the files its reads come from). A session per table would cost the
+    server a backend start each."""
+
+    now: psycopg.Connection
+    seen: psycopg.Connection
+
+
+@contextmanager
+def source_sessions(config: PipelineConfig, snapshot: AdvertisedSnapshot) -> Iterator[SourceSessions]:
+    """Both :class:`SourceSessions` for ``snapshot``, closed on leaving."""
+    with connect(config.source) as now, connect(config.source) as seen, imported_snapshot(seen, snapshot.name):
+        yield SourceSessions(now, seen)
+
+
 class SnapshotRunner:
     """Plans and runs the snapshot of the configured tables that are not complete yet.
 
@@ -120,19 +141,23 @@ class SnapshotRunner:
             table for key, table in self.report.tables.items() if key not in states or not states[key].snapshot_complete
         ]
 
-    def plan(self, table: SourceTable) -> list[Chunk]:
+    def plan(
+        self, table: SourceTable, source: psycopg.Connection | None = None, created_with: dict[str, str] | None = None
+    ) -> list[Chunk]:
         """Create the Iceberg table and store the chunk plan once; returns the stored plan.
 
         A table created by an earlier process follows the columns as they are now: a column renamed
         or added meanwhile is read under its new name by this process's chunks. An Iceberg table
         this pipeline has no state for (kept after the table left the config, which it rejoins now)
         is rebuilt to the source's columns instead: every row is read again. Either way the table
-        takes the configured partition spec and sort order before any chunk is written."""
+        takes the configured partition spec and sort order before any chunk is written. ``source``:
+        an open source connection to plan on (else one of its own); ``created_with``: properties the
+        Iceberg table takes if it is created here."""
         fresh = self.store.table_state(table.key) is None
         mirrored = self.mirrored[table.key]
 
         def follow() -> None:
-            iceberg = ensure_table(self.catalog, self.config, mirrored, table)
+            iceberg = ensure_table(self.catalog, self.config, mirrored, table, created_with)
             if fresh:
                 # One commit: a field the rebuild deletes must leave the spec in the same one.
                 transaction, changes = rebuild_schema(
@@ -144,24 +169,38 @@ class SnapshotRunner:
             else:
                 evolve_schema(iceberg, table.key, table.columns)
                 apply_layout(iceberg, table.key, mirrored.config, table.columns)
+            self._tables[table.key] = iceberg  # as loaded and committed here: no second load
 
         commit_with_retry(follow)
-        with connect(self.config.source) as conn:
+        with nullcontext(source) if source is not None else connect(self.config.source) as conn:
             planned = plan_table_chunks(conn, table, self.config.snapshot.chunk_pages)
         return self.store.start_table_snapshot(
             table.key, table.oid, ".".join(self.mirrored[table.key].iceberg), None, planned
         )
 
-    def enter_epoch(self, table: SourceTable, snapshot: AdvertisedSnapshot) -> tuple[list[Chunk], bool]:
+    def enter_epoch(
+        self, table: SourceTable, snapshot: AdvertisedSnapshot, sessions: SourceSessions | None = None
+    ) -> tuple[list[Chunk], bool]:
         """Make ``epoch`` the table's snapshot epoch; returns its chunks and whether it started again.
 
         A table already in ``epoch`` keeps its progress, and a chunk whose Iceberg commit landed just
         before a crash is recognised by its marker. A table in an older epoch (that snapshot is gone)
         is emptied and every chunk is read again: rows read at two moments cannot make one consistent
         table, because a row that moved pages in between can be read twice or not at all.
+        ``sessions``: the run's source sessions on ``snapshot`` (else sessions of its own).
         """
+        with ExitStack() as stack:
+            if sessions is None:
+                sessions = stack.enter_context(source_sessions(self.config, snapshot))
+            return self._enter_epoch(table, snapshot, sessions)
+
+    def _enter_epoch(
+        self, table: SourceTable, snapshot: AdvertisedSnapshot, sessions: SourceSessions
+    ) -> tuple[list[Chunk], bool]:
         epoch = snapshot.epoch
-        self.plan(table)
+        files = source_files_seen_in(sessions.seen, table)
+        # Created with the epoch's properties, a new table needs no commit to enter the epoch.
+        self.plan(table, sessions.now, epoch_properties(files))
         iceberg = self._iceberg_table(table)
         restarted = False
         with self.store.table_snapshot_lock(table.key):
@@ -174,7 +213,7 @@ class SnapshotRunner:
                 )
             if state.snapshot_epoch != epoch:
                 restarted = state.snapshot_epoch is not None or any(c.done for c in self.store.chunks(table.key))
-                empty_for_epoch(iceberg, epoch, source_files_seen_by(self.config.source, table, snapshot.name))
+                empty_for_epoch(iceberg, epoch, files)
                 self.store.restart_table_snapshot(table.key, epoch)
             committed = committed_chunk_markers(iceberg, epoch)
             for chunk in self.store.chunks(table.key):
@@ -296,15 +335,16 @@ class SnapshotRunner:
             return results
         with self.holding_snapshot(pending) as snapshot:
             work: list[tuple[SourceTable, Chunk]] = []
-            for table in pending:
-                chunks, restarted = self.enter_epoch(table, snapshot)
-                result = results[table.key]
-                result.epoch, result.restarted = snapshot.epoch, restarted
-                for chunk in chunks:
-                    if chunk.done:
-                        result.chunks_skipped += 1
-                    else:
-                        work.append((table, chunk))
+            with source_sessions(self.config, snapshot) as sessions:
+                for table in pending:
+                    chunks, restarted = self.enter_epoch(table, snapshot, sessions)
+                    result = results[table.key]
+                    result.epoch, result.restarted = snapshot.epoch, restarted
+                    for chunk in chunks:
+                        if chunk.done:
+                            result.chunks_skipped += 1
+                        else:
+                            work.append((table, chunk))
             if on_plan:
                 on_plan(len(work))
             self.run_chunks(work, snapshot, results, on_chunk)
