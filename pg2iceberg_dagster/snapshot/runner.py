@@ -271,12 +271,15 @@ class SnapshotRunner:
                 metadata = self._writer_metadata[table.key] = self._iceberg_table(table).metadata.model_copy(deep=True)
             return metadata
 
-    def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk], epoch: int) -> list[tuple[Chunk, int]]:
-        """Commit written chunks of one table to Iceberg in one commit, then record each as done;
-        returns each chunk with its rows. Refused when the table moved to another epoch meanwhile."""
+    def commit_chunks(
+        self, table: SourceTable, batch: list[WrittenChunk], epoch: int, store: CoordinationStore
+    ) -> list[tuple[Chunk, int]]:
+        """Commit written chunks of one table to Iceberg in one commit, then record each as done on
+        ``store``; returns each chunk with its rows. Refused when the table moved to another epoch
+        meanwhile."""
         crash_point("snapshot.mid_chunk")
-        with self.store.table_snapshot_lock(table.key):
-            state = self.store.table_state(table.key)
+        with store.table_snapshot_lock(table.key):
+            state = store.table_state(table.key)
             if state is None or state.snapshot_epoch != epoch:
                 raise SnapshotEpochError(
                     f"{table.key} started again in snapshot epoch {state.snapshot_epoch if state else '-'} while "
@@ -286,7 +289,7 @@ class SnapshotRunner:
                 snapshot_id = commit_chunks(self._iceberg_table(table), batch, epoch)
             crash_point("snapshot.after_chunk_commit")
             for written in batch:
-                self.store.mark_chunk_done(table.key, written.chunk.index, written.rows, epoch, snapshot_id)
+                store.mark_chunk_done(table.key, written.chunk.index, written.rows, epoch, snapshot_id)
         return [(written.chunk, written.rows) for written in batch]
 
     def run_partitions(self, table_key: str, partition_keys: Iterable[str]) -> TableSnapshotResult:
@@ -328,29 +331,41 @@ class SnapshotRunner:
     def run(
         self, on_chunk: ChunkCallback | None = None, on_plan: Callable[[int], None] | None = None
     ) -> dict[str, TableSnapshotResult]:
-        """Snapshot every pending table under one exported snapshot."""
+        """Snapshot every pending table under one exported snapshot. Tables enter the epoch one after
+        another while the chunks of those before them are read, written and committed; ``on_plan``
+        gets the count of chunks to run so far after each table."""
         pending = self.pending_tables()
         results = {table.key: TableSnapshotResult() for table in pending}
         if not pending:
             return results
-        with self.holding_snapshot(pending) as snapshot:
-            work: list[tuple[SourceTable, Chunk]] = []
-            with source_sessions(self.config, snapshot) as sessions:
-                for table in pending:
-                    chunks, restarted = self.enter_epoch(table, snapshot, sessions)
-                    result = results[table.key]
-                    result.epoch, result.restarted = snapshot.epoch, restarted
-                    for chunk in chunks:
-                        if chunk.done:
-                            result.chunks_skipped += 1
-                        else:
-                            work.append((table, chunk))
-            if on_plan:
-                on_plan(len(work))
+        with self.holding_snapshot(pending) as snapshot, source_sessions(self.config, snapshot) as sessions:
+            work = self._entered_chunks(pending, snapshot, sessions, results, on_plan)
             self.run_chunks(work, snapshot, results, on_chunk)
         for table in pending:
             results[table.key].complete = self.complete_if_done(table.key)
         return results
+
+    def _entered_chunks(
+        self,
+        tables: Sequence[SourceTable],
+        snapshot: AdvertisedSnapshot,
+        sessions: SourceSessions,
+        results: dict[str, TableSnapshotResult],
+        on_plan: Callable[[int], None] | None,
+    ) -> Iterator[tuple[SourceTable, Chunk]]:
+        """Each table entered into ``snapshot``'s epoch in turn, then its chunks not done yet."""
+        planned = 0
+        for table in tables:
+            chunks, restarted = self.enter_epoch(table, snapshot, sessions)
+            result = results[table.key]
+            result.epoch, result.restarted = snapshot.epoch, restarted
+            todo = [chunk for chunk in chunks if not chunk.done]
+            result.chunks_skipped += len(chunks) - len(todo)
+            planned += len(todo)
+            if on_plan:
+                on_plan(planned)
+            for chunk in todo:
+                yield table, chunk
 
     def _usable_advertised_snapshot(
         self, tables: Sequence[SourceTable], timeout: float = 30.0
@@ -433,24 +448,28 @@ class SnapshotRunner:
 
     def run_chunks(
         self,
-        work: Sequence[tuple[SourceTable, Chunk]],
+        work: Iterable[tuple[SourceTable, Chunk]],
         snapshot: AdvertisedSnapshot,
         results: dict[str, TableSnapshotResult],
         on_chunk: ChunkCallback | None = None,
     ) -> None:
         """Run chunks under ``snapshot`` through read, write and commit (see :mod:`.stages`), adding to
-        ``results``; the first failure cancels what has not started and is raised."""
-        for chunk, rows in run_chunks(
-            self.config.source,
-            work,
-            read=lambda reader, table, chunk: self.read_chunk(reader, table, chunk, snapshot),
-            write=self.write_chunk,
-            commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch),
-            parallelism=self.config.snapshot.parallelism,
-            min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
-        ):
-            result = results[chunk.table_name]
-            result.rows += rows
-            result.chunks_run += 1
-            if on_chunk:
-                on_chunk(chunk, rows)
+        ``results``; the first failure cancels what has not started and is raised. ``work`` is taken
+        as the stages go (it may enter tables into the epoch on this runner's store), so the commits
+        record chunks on a store of their own: a transaction of one never takes in a statement of
+        the other."""
+        with CoordinationStore(self.store.target) as commit_store:
+            for chunk, rows in run_chunks(
+                self.config.source,
+                work,
+                read=lambda reader, table, chunk: self.read_chunk(reader, table, chunk, snapshot),
+                write=self.write_chunk,
+                commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch, commit_store),
+                parallelism=self.config.snapshot.parallelism,
+                min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
+            ):
+                result = results[chunk.table_name]
+                result.rows += rows
+                result.chunks_run += 1
+                if on_chunk:
+                    on_chunk(chunk, rows)
