@@ -49,6 +49,7 @@ from .common import (
     machine_busy_seconds,
     pg_tool,
     pgbench,
+    process_cpu_seconds,
     timed,
     work_dir,
 )
@@ -59,14 +60,6 @@ BINARY_SLOT = "bench_recvlogical_binary"
 COUNT_SLOT = "bench_count"
 TARGET_VS_DECODING = 0.35
 CLIENTS = 2
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (fields 14 and 15 of /proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 class WalsenderCpu:
@@ -102,10 +95,9 @@ class WalsenderCpu:
                 if pid is None:
                     time.sleep(0.005)
         while pid is not None and not self._stop.is_set():
-            try:
-                self.seconds = process_cpu_seconds(pid)
-            except (FileNotFoundError, ProcessLookupError):
-                return
+            if not os.path.exists(f"/proc/{pid}"):
+                return  # gone with its client: the last sample stands
+            self.seconds = max(self.seconds, process_cpu_seconds(pid))  # 0 when it exited just now
             time.sleep(0.02)
 
 

@@ -64,6 +64,7 @@ import bisect
 import contextlib
 import itertools
 import math
+import os
 import random
 import re
 import subprocess
@@ -117,6 +118,8 @@ POLL_SECONDS = 0.5
 CHECK_EVERY = 4
 TARGETS = {"snapshot": 0.7, "snapshot_ms_per_table": 20.0, "run": 15.0, "dagster": 60.0}
 BOUNDED = 1.2
+# CPU-seconds of ``run`` (Python and its JVM) per table merge, at most (issue 34).
+MERGE_CORE_SECONDS = 0.1
 CLI = [sys.executable, "-m", "pg2iceberg_dagster.cli"]
 
 
@@ -625,7 +628,17 @@ def merge_loop_rows(report: Report, result: RunMeasurement, tables: int, paralle
     for merge in merges:
         for phase, value in merge.phases.items():
             phases[phase] += value / len(merges)
+    # The run process's CPU (its JVM's too, and the flusher's: an upper bound) over the window's merges.
+    end = result.window[1]
+    samples = [s for s in result.samples if start <= s[0] <= end]
+    merged_in_window = sum(1 for merge in merges if merge.logged <= end)
+    cores = os.cpu_count() or 1
+    if merged_in_window and len(samples) > 1:
+        per_merge = (samples[-1][4] - samples[0][4]) / merged_in_window
+        report.ratio("run_core_seconds_per_merge", per_merge, MERGE_CORE_SECONDS, at_most=True)
     report.parameters["run"] |= {
+        "cores": cores,
+        "pass_core_seconds_median": round(percentile(periods, 0.5) * cores, 1) if periods else None,
         "changes_per_merge": round(sum(m.changes for m in merges) / len(merges), 1) if merges else None,
         "merges_per_pass_median": percentile([float(count) for _, count in rounds], 0.5),
         "merge_phase_seconds_mean": {k: round(v, 3) for k, v in phases.items()},
@@ -634,8 +647,8 @@ def merge_loop_rows(report: Report, result: RunMeasurement, tables: int, paralle
     if not p99 <= TARGETS["run"] and merges:
         per_table = percentile(periods, 0.5) / report.parameters["run"]["merges_per_pass_median"] if periods else None
         why.append(
-            f"run: each pass merges every lagging table, {parallelism} at a time on one Spark session, each a "
-            f"Spark MERGE and an Iceberg commit of its own: {percentile(merge_seconds, 0.5):.2f} s a merge at the "
+            f"run: each pass merges every lagging table, {parallelism} at a time, each a pyiceberg write or a "
+            f"Spark MERGE, and an Iceberg commit of its own: {percentile(merge_seconds, 0.5):.2f} s a merge at the "
             f"median whatever the batch ({report.parameters['run']['changes_per_merge']} changes on average; per "
             "merge "
             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))

@@ -41,7 +41,6 @@ import psycopg
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
-from pyiceberg.expressions import And, BooleanExpression, EqualTo, In, Or
 from pyiceberg.table import Table, Transaction
 
 from .config import PipelineConfig
@@ -51,7 +50,9 @@ from .errors import Pg2IcebergError, ResyncRequiredError, SlotBusyError
 from .faults import crash_point
 from .iceberg.catalog import epoch_committed
 from .iceberg.change_metadata import deletion_columns
+from .iceberg.delete_formats import merges_on_read
 from .iceberg.evolution import evolve_schema, pending_fills, source_files_properties, without_pending_fills
+from .iceberg.key_filter import key_filter
 from .iceberg.types import arrow_schema
 from .materializer.branch import spark_view, write_on_branch
 from .materializer.spark_sql import OP_COLUMN
@@ -347,13 +348,6 @@ def _record_compared(table: Table, transaction: Transaction, files: dict[str, st
     return bool(properties)
 
 
-def merges_on_read(table: Table) -> bool:
-    """Whether the table's deletes are merge-on-read (position deletes): pyiceberg's delete would
-    rewrite the data files instead."""
-    properties = table.properties
-    return "merge-on-read" in (properties.get("write.delete.mode"), properties.get("write.merge.mode"))
-
-
 def _write_through_spark(
     config: PipelineConfig,
     mirrored: MirroredTable,
@@ -417,25 +411,3 @@ def _as_table_rows(table: Table, rows: pa.Table) -> pa.Table:
         for target in schema
     ]
     return pa.Table.from_arrays(columns, schema=schema)
-
-
-def key_filter(columns: Sequence[str], keys: Sequence[tuple]) -> BooleanExpression:
-    """The rows whose key (``columns``) is one of ``keys``: ``In`` for a one-column key, else a
-    balanced tree of ORs (a chain as deep as the keys would overflow the expression visitors)."""
-    # Their __init__ take (term, literal(s)); the pydantic models' signatures say otherwise.
-    equal: Any = EqualTo
-    one_of: Any = In
-    if len(columns) == 1:
-        return one_of(columns[0], [key[0] for key in keys])
-
-    def one(key: tuple) -> BooleanExpression:
-        terms = [equal(column, value) for column, value in zip(columns, key, strict=True)]
-        return terms[0] if len(terms) == 1 else And(*terms)
-
-    def any_of(part: Sequence[tuple]) -> BooleanExpression:
-        if len(part) == 1:
-            return one(part[0])
-        middle = len(part) // 2
-        return Or(any_of(part[:middle]), any_of(part[middle:]))
-
-    return any_of(keys)

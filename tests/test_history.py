@@ -102,10 +102,11 @@ def _items(source: SourceDb) -> Recorder:
     return Recorder(source)
 
 
-def _snapshotted(source: SourceDb, **overrides: Any) -> tuple[Recorder, Pipeline]:
-    """The items table mirrored with history and snapshotted; the recorder holds the state after the snapshot."""
+def _snapshotted(source: SourceDb, entry: dict[str, Any] | None = None, **overrides: Any) -> tuple[Recorder, Pipeline]:
+    """The items table mirrored with history (or as ``entry`` says) and snapshotted; the recorder
+    holds the state after the snapshot."""
     record = _items(source)
-    pipeline = source.pipeline(source.config([{"name": KEY, "history": True}], **overrides))
+    pipeline = source.pipeline(source.config([entry or {"name": KEY, "history": True}], **overrides))
     pipeline.snapshot()
     record.record()
     return record, pipeline
@@ -333,11 +334,8 @@ def test_maintenance_compacts_and_expires_the_history_and_it_stays_exact(source:
     the one recording what the history holds: later merges neither lose nor repeat a version."""
     eager = {"snapshot_retention_hours": 0, "min_snapshots": 1, "orphan_min_age_hours": 0}
     # Merge-on-read: the history's MERGEs write delete files, so compaction commits after its last write.
-    record = _items(source)
     table = {"name": KEY, "history": True, "delete_format": "merge-on-read"}
-    pipeline = source.pipeline(source.config([table], maintenance=eager))
-    pipeline.snapshot()
-    record.record()
+    record, pipeline = _snapshotted(source, table, maintenance=eager)
     pipeline.materialize()
     for round_ in range(4):
         record(f"UPDATE public.items SET n = n + {round_ + 1} WHERE id <= {round_ + 2}")

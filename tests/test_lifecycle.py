@@ -99,19 +99,26 @@ def test_run_follows_tables_added_to_and_removed_from_its_config(source: SourceD
         assert not staged_after & staged_before
 
 
+def _staged_for_removal(source: SourceDb, removed: str, kept: str) -> tuple[PipelineConfig, Pipeline]:
+    """Tables ``removed`` and ``kept`` (named as SQL and the config both take them) created with 50
+    rows and snapshotted, and a change of ``removed`` staged: the config of both and its pipeline."""
+    for table in (removed, kept):
+        source.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 50) g")
+    both = source.config([kept, removed])
+    pipeline = source.pipeline(both)
+    pipeline.snapshot()
+    source.execute(f"UPDATE {removed} SET v = 'staged' WHERE id < 5")
+    pipeline.stream(until_caught_up=True)
+    return both, pipeline
+
+
 def test_cleanup_of_a_table_removed_from_the_config_stops_mirroring_it(
     source: SourceDb, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Outside ``run``: after a table leaves the config, ``cleanup --table`` takes it out of the
     publication and deletes its state and staged log; the other table keeps streaming exactly."""
-    for name in ("a", "b"):
-        source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
-        source.execute(f"INSERT INTO public.{name} SELECT g, '{name}' FROM generate_series(1, 50) g")
-    both = source.config(["public.a", "public.b"])
-    pipeline = source.pipeline(both)
-    pipeline.snapshot()
-    source.execute("UPDATE public.b SET v = 'staged' WHERE id < 5")
-    pipeline.stream(until_caught_up=True)
+    both, _ = _staged_for_removal(source, "public.b", "public.a")
     only_a = source.config(["public.a"])
     path = tmp_path / "pg2iceberg.yaml"
     _write(path, only_a)
@@ -266,15 +273,7 @@ def test_a_removed_table_whose_schema_name_holds_a_dot_leaves_the_publication(so
     though ``a``/``b.c`` reads the same); it leaves the publication under its own names and its state
     goes, while the other table keeps streaming exactly."""
     source.execute('CREATE SCHEMA "a.b"')
-    source.execute('CREATE TABLE "a.b".c (id int PRIMARY KEY, v text)')
-    source.execute("CREATE TABLE public.kept (id int PRIMARY KEY, v text)")
-    for table in ('"a.b".c', "public.kept"):
-        source.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 50) g")
-    both = source.config(['"a.b".c', "public.kept"])
-    pipeline = source.pipeline(both)
-    pipeline.snapshot()
-    source.execute("UPDATE \"a.b\".c SET v = 'staged' WHERE id < 5")
-    pipeline.stream(until_caught_up=True)
+    _, pipeline = _staged_for_removal(source, '"a.b".c', "public.kept")
     pipeline.close()
     only_kept = source.config(["public.kept"])
     pipeline = source.pipeline(only_kept)

@@ -216,6 +216,13 @@ class InMemoryCoordinationStore:
             cursor = self._cursors.get((group, table_name))
             return cursor.next_offset if cursor else 0
 
+    def merged_snapshot_id(self, group: str, table_name: str) -> int | None:
+        """The Iceberg snapshot the cursor was last advanced with (None before any merge, or when the
+        advance recorded none)."""
+        with self._lock:
+            cursor = self._cursors.get((group, table_name))
+            return cursor.iceberg_snapshot_id if cursor else None
+
     def lag(self, group: str, table_name: str) -> Lag:
         """``group``'s mat_cursor and the log head of ``table_name``, read together."""
         with self._lock:

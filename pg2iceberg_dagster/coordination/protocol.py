@@ -66,6 +66,11 @@ class StagedLogStore(Protocol):
         """The first offset of ``table_name`` not yet applied to Iceberg by ``group`` (0 at first)."""
         ...
 
+    def merged_snapshot_id(self, group: str, table_name: str) -> int | None:
+        """The Iceberg snapshot ``group``'s cursor was last advanced with: while it is still the table's
+        current one, nothing was committed past the cursor (None before any merge, or when unrecorded)."""
+        ...
+
     def staged_positions(self, table_names: Sequence[str]) -> tuple[int | None, dict[str, int]]:
         """``flushed_lsn`` and each table's log head, read together: the log up to these heads holds
         exactly the changes of the transactions committed at or before that LSN."""

@@ -457,6 +457,15 @@ class CoordinationStore:
         ).fetchone()
         return int(row[0]) if row else 0
 
+    def merged_snapshot_id(self, group: str, table_name: str) -> int | None:
+        """The Iceberg snapshot the cursor was last advanced with (None before any merge, or when the
+        advance recorded none)."""
+        row = self.conn.execute(
+            "SELECT iceberg_snapshot_id FROM _pg2iceberg.mat_cursor WHERE group_name = %s AND table_name = %s",
+            (group, table_name),
+        ).fetchone()
+        return int(row[0]) if row and row[0] is not None else None
+
     def lag(self, group: str, table_name: str) -> Lag:
         """``group``'s mat_cursor (with the LSN it was merged up to) and the log head of ``table_name``,
         read together."""

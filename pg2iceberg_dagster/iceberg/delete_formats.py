@@ -112,3 +112,10 @@ def align_table(table: Table, delete_format: str) -> dict[str, str]:
     if changed:
         table.transaction().set_properties(changed).commit_transaction()
     return changed
+
+
+def merges_on_read(table: Table) -> bool:
+    """Whether the table's deletes are merge-on-read (position deletes): pyiceberg's delete would
+    rewrite the data files instead."""
+    properties = table.properties
+    return "merge-on-read" in (properties.get("write.delete.mode"), properties.get("write.merge.mode"))

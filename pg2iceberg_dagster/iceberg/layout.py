@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table, Transaction
@@ -312,3 +313,22 @@ def apply_layout(
         return changes
 
     return commit_with_retry(commit)
+
+
+def sorted_rows(metadata: TableMetadata, rows: pa.Table) -> pa.Table:
+    """``rows`` in the table's sort order (unchanged for an unsorted table). Spark sorts what it writes
+    by itself; what pyiceberg writes (snapshot chunks, appended batches) is sorted here, in C, a
+    fraction of encoding it."""
+    order = metadata.sort_order()
+    if not order.fields:
+        return rows
+    schema = metadata.schema()
+    keys = [
+        (
+            schema.find_column_name(sort_field.source_id),
+            "descending" if sort_field.direction == SortDirection.DESC else "ascending",
+            "at_start" if sort_field.null_order == NullOrder.NULLS_FIRST else "at_end",
+        )
+        for sort_field in order.fields
+    ]
+    return rows.sort_by(keys)

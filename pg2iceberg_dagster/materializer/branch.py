@@ -33,18 +33,36 @@ FAST_FORWARD_ATTEMPTS = 4
 @contextlib.contextmanager
 def spark_view(spark: Any, objects: ObjectStore, staging: str, rows: pa.Table) -> Iterator[str]:
     """``rows`` as a Spark temporary view, staged as a Parquet file under the table's staging folder
-    ``staging`` that Spark reads back (executors need not reach the driver's memory)."""
+    ``staging`` that Spark reads back (executors need not reach the driver's memory), with the schema
+    given when Spark has one for it: inferring it reads the file's footer in a Spark job of its own,
+    which cost about as much CPU as a small MERGE's own jobs (bench/tables.py)."""
     batch_key = f"{merge_batch_prefix(staging)}{uuid.uuid4().hex}.parquet"
     sink = pa.BufferOutputStream()
     pq.write_table(rows, sink)
     objects.put(batch_key, sink.getvalue().to_pybytes())
     try:
         view = f"pg2iceberg_batch_{threading.get_ident()}"
-        spark.read.parquet(objects.uri(batch_key)).createOrReplaceTempView(view)
+        reader = spark.read
+        schema = _spark_schema(rows.schema)
+        if schema is not None:
+            reader = reader.schema(schema)
+        reader.parquet(objects.uri(batch_key)).createOrReplaceTempView(view)
         yield view
         spark.catalog.dropTempView(view)
     finally:
         objects.delete(batch_key)
+
+
+def _spark_schema(schema: pa.Schema) -> Any | None:
+    """``schema`` as the Spark schema Spark infers from a Parquet file written with it (a timestamp
+    without time zone is Spark's TimestampNTZ), or None for a type PySpark does not map (then Spark
+    infers it)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    try:
+        return from_arrow_schema(schema, prefer_timestamp_ntz=True)
+    except Exception:  # PySpark raises its own error types for an unmapped Arrow type
+        return None
 
 
 def write_on_branch(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -23,6 +24,9 @@ _warned = threading.Event()  # said once per process, not at every commit
 
 _COMMIT_METADATA = "org.apache.iceberg.spark.CommitMetadata"
 _THREAD_LOCAL_FIELD = "COMMIT_PROPERTIES"
+# The holder found per py4j gateway (one per JVM): looking it up takes four reflection calls, which
+# every merge and history write would otherwise repeat.
+_holders: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _commit_properties_holder(spark: Any) -> Any | None:
@@ -31,14 +35,18 @@ def _commit_properties_holder(spark: Any) -> Any | None:
     try:
         from py4j.clientserver import ClientServer
 
-        if not isinstance(spark.sparkContext._gateway, ClientServer):
+        gateway = spark.sparkContext._gateway
+        if not isinstance(gateway, ClientServer):
             return None  # not pinned to JVM threads (see the module's docstring)
+        if gateway in _holders:
+            return _holders[gateway]
         jvm = spark.sparkContext._jvm
         # Through Spark's class loader: the runtime jar comes with spark.jars, not the JVM's class path.
         commit_metadata = jvm.org.apache.spark.util.Utils.classForName(_COMMIT_METADATA, True, False)
         field = commit_metadata.getDeclaredField(_THREAD_LOCAL_FIELD)
         field.setAccessible(True)
-        return field.get(None)
+        _holders[gateway] = holder = field.get(None)
+        return holder
     except Exception as exc:  # py4j raises its own error types; any failure means "not reachable"
         if not _warned.is_set():
             _warned.set()

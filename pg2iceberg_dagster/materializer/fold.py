@@ -9,13 +9,14 @@ discards everything folded before it and makes the merge start by emptying the t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from ..staging.codec import DELETE, TRUNCATE, Change, StagedRelation
 
 UPSERT = "U"
+Key = tuple[str | None, ...]
 
 
 @dataclass
@@ -41,7 +42,7 @@ class FoldResult:
     # The last TRUNCATE's commit LSN and commit time (a soft-deleting table marks its rows with them).
     truncated_lsn: int = 0
     truncated_at: datetime | None = None
-    rows: dict[tuple[str | None, ...], FoldedRow] = field(default_factory=dict)
+    rows: dict[Key, FoldedRow] = field(default_factory=dict)
     changes: int = 0
     relations: list[StagedRelation] = field(default_factory=list)
 
@@ -49,7 +50,7 @@ class FoldResult:
 def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key: Sequence[str]) -> FoldResult:
     """Fold staged files (in log order) into the net change per primary key."""
     result = FoldResult()
-    last_delete: tuple[int, tuple[str | None, ...], FoldedRow | None] | None = None
+    last_delete: tuple[int, Key, FoldedRow | None] | None = None
     for relation, changes in batches:
         if relation not in result.relations:
             result.relations.append(relation)
@@ -72,18 +73,14 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
             unchanged = set(change.unchanged)
             previous = result.rows.get(key)
             fill_from_key = None
-            if last_delete is not None and last_delete[0] == change.lsn and last_delete[1] != key:
-                # The flusher stages a key-changing UPDATE as DELETE(old key) + UPDATE at one LSN: the
-                # unchanged columns belong to the old key's row.
+            if last_delete is not None and is_key_change(last_delete[:2], change, key):
+                # The unchanged columns belong to the old key's row.
                 old_key, previous = last_delete[1], last_delete[2]
                 fill_from_key = old_key
                 if previous is not None and previous.op == UPSERT and previous.fill_from_key is not None:
                     fill_from_key = previous.fill_from_key
             if unchanged and previous is not None and previous.op == UPSERT:
-                for name in list(unchanged):
-                    if name in previous.data:
-                        data[name] = previous.data[name]
-                        unchanged.discard(name)
+                carry_unchanged(data, unchanged, previous.data)
                 if fill_from_key is None:
                     # Still unchanged since the row moved: the values live where the move's did.
                     fill_from_key = previous.fill_from_key
@@ -97,3 +94,18 @@ def fold(batches: Iterable[tuple[StagedRelation, Sequence[Change]]], primary_key
                 committed_at=change.ts,
             )
     return result
+
+
+def is_key_change(last_delete: tuple[int, Key], change: Change, key: Key) -> bool:
+    """Whether ``change`` (to ``key``) is the second half of a key-changing UPDATE, given the batch's
+    last DELETE (its LSN and key): the flusher stages one as DELETE(old key) + UPDATE(new key) at one LSN."""
+    return last_delete[0] == change.lsn and last_delete[1] != key
+
+
+def carry_unchanged(data: dict[str, str | None], unchanged: set[str], earlier: Mapping[str, str | None]) -> None:
+    """Give the columns a change leaves unchanged (TOAST values) the values an earlier change of the
+    row carried, in place: ``data`` gains them and ``unchanged`` loses them."""
+    for name in list(unchanged):
+        if name in earlier:
+            data[name] = earlier[name]
+            unchanged.discard(name)

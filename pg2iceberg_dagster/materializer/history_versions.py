@@ -20,9 +20,7 @@ import pyarrow as pa
 from ..iceberg.history import INSERT as INSERTED
 from ..iceberg.history import UPDATE as UPDATED
 from ..staging.codec import DELETE, INSERT, TRUNCATE, StagedRelation, changes_of
-from .fold import UPSERT, FoldedRow
-
-Key = tuple[str | None, ...]
+from .fold import UPSERT, FoldedRow, Key, carry_unchanged, is_key_change
 
 
 @dataclass
@@ -60,7 +58,7 @@ def batch_versions(staged: Iterable[tuple[StagedRelation, pa.Table]], key_names:
     result = BatchVersions()
     open_versions: dict[Key, Version] = {}
     touched: set[Key] = set()
-    # The last DELETE: a key change is staged as DELETE(old key) + UPDATE(new key) at one LSN.
+    # The last DELETE (see fold.is_key_change).
     last_delete: tuple[int, Key, Version | None] | None = None
     for relation, table in staged:
         for change in changes_of(table):
@@ -82,17 +80,14 @@ def batch_versions(staged: Iterable[tuple[StagedRelation, pa.Table]], key_names:
             if change.op == DELETE:
                 last_delete = (change.lsn, key, previous)
                 continue
-            moved = last_delete is not None and last_delete[0] == change.lsn and last_delete[1] != key
+            moved = last_delete is not None and is_key_change(last_delete[:2], change, key)
             source, fill_from = previous, key
             if moved and last_delete is not None:
                 fill_from, source = last_delete[1], last_delete[2]
             data = dict(change.data)
             unchanged = set(change.unchanged)
             if unchanged and source is not None:
-                for name in list(unchanged):
-                    if name in source.row.data:
-                        data[name] = source.row.data[name]
-                        unchanged.discard(name)
+                carry_unchanged(data, unchanged, source.row.data)
                 fill_from = source.row.fill_from_key or source.key
             row = FoldedRow(
                 UPSERT,

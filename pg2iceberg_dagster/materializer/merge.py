@@ -35,6 +35,7 @@ from ..faults import crash_point
 from ..iceberg.catalog import new_table_location, new_table_properties
 from ..iceberg.change_metadata import deletion_columns, ensure_configured_columns, metadata_columns, metadata_names
 from ..iceberg.commit import commit_with_retry
+from ..iceberg.delete_formats import merges_on_read
 from ..iceberg.evolution import (
     SOURCE_LEAVES,
     clear_pending_fills,
@@ -57,10 +58,11 @@ from ..source.connection import connect
 from ..source.lsn import format_lsn
 from ..source.partitions import LeafChange, leaf_change, leaf_files, leaves, partitioned_oid
 from ..source.xid_snapshot import XidSnapshot
-from ..staging.codec import COMMIT_LSN_COLUMN, DELETE, StagedRelation, changes_of, commit_lsns_of, read_staged
+from ..staging.codec import COMMIT_LSN_COLUMN, DELETE, INSERT, StagedRelation, changes_of, commit_lsns_of, read_staged
 from ..staging.store import ObjectStore
 from ..tables import MirroredTables
 from .align import StagedBatch, align_batches
+from .append import append_rows, keys_compare_exactly, replace_keys
 from .arrow_rows import folded_arrow, spark_arrow_schema, spark_value
 from .branch import spark_view, write_on_branch
 from .change_stamp import stamp_merged, without_fields
@@ -86,6 +88,7 @@ class MergeResult:
 
     table: str
     batches: int = 0
+    pyiceberg_writes: int = 0  # of the batches, those written without a Spark MERGE (see materializer.append)
     changes: int = 0
     upserts: int = 0
     deletes: int = 0
@@ -130,6 +133,7 @@ class MergeResult:
             "upserts": self.upserts,
             "deletes": self.deletes,
             "batches": self.batches,
+            "pyiceberg_batches": self.pyiceberg_writes,
             "mat_cursor": self.lag.mat_cursor,
             "log_head": self.lag.log_head,
             "last_lsn": self.last_lsn_text,
@@ -139,9 +143,10 @@ class MergeResult:
 
 # read: staged files fetched and decoded; fold: folded by key (plus TOAST fills and schema evolution);
 # arrow: typed Arrow rows handed to Spark; spark_start: the session created (first merge of a process);
-# spark_merge: the MERGE INTO (Iceberg commit included); history: the history table's MERGE (tables with
+# spark_merge: the MERGE INTO (Iceberg commit included); pyiceberg_write: the batch written by pyiceberg
+# instead (see materializer.append); history: the history table's MERGE (tables with
 # history); commit: mat_cursor advanced.
-PHASES = ("read", "fold", "arrow", "spark_start", "spark_merge", "history", "commit")
+PHASES = ("read", "fold", "arrow", "spark_start", "spark_merge", "pyiceberg_write", "history", "commit")
 
 
 @contextlib.contextmanager
@@ -176,6 +181,10 @@ class PreparedBatch:
     truncated_at: datetime | None = None
     # The batch's changes, aligned to the table's columns (what a history table is written from).
     staged: list[StagedBatch] = field(default_factory=list)
+    # ``rows`` are typed as Iceberg stores them (no uuid column, which Spark reads as text), and whether
+    # every change is an INSERT: what pyiceberg can write without a MERGE (see materializer.append).
+    iceberg_typed: bool = False
+    inserts_only: bool = False
 
 
 log = logging.getLogger(__name__)
@@ -281,9 +290,9 @@ class Materializer:
                     self._follow_leaves(table_key, leaves)
                 if described is not None:
                     unfilled = self._follow_columns(table_key, described, result) or unfilled
-                self._start_spark(table_key, result.timings)
                 if self.tables[table_key].history is not None:
                     # The first versions come from the copy as the snapshot left it: before any fill or batch.
+                    self._start_spark(table_key, result.timings)
                     self._history_ready(table_key, self.catalog.load_table(self.tables[table_key].iceberg))
                 if unfilled is not None:
                     self._fill_pending(table_key, unfilled, result.timings)
@@ -432,7 +441,6 @@ class Materializer:
         if not self._mergeable(table_key, result):
             return result
         if result.lag.mat_cursor < head:
-            self._start_spark(table_key, result.timings)
             self._apply_until(table_key, head, flushed, None, result)
         result.lag = self.store.lag(self.group, table_key)
         result.seconds = time.monotonic() - started
@@ -491,8 +499,9 @@ class Materializer:
         return replay_epoch(self.store, table_key)
 
     def _start_spark(self, table_key: str, timings: dict[str, float]) -> None:
-        """Create the session and resolve the table in it before the batch is read: a new JVM takes
-        seconds, and what is staged meanwhile then joins this merge instead of waiting for the next."""
+        """Create the session when a merge first needs it (a batch pyiceberg does not write, a fill, a
+        history table), and resolve the table in it: a process whose batches pyiceberg writes (a
+        Dagster run) never starts or attaches to a JVM."""
         if self._spark is not None:
             return
         with timed_phase(timings, "spark_start"):
@@ -551,6 +560,7 @@ class Materializer:
                 return PreparedBatch(
                     identifier, table, key, rows, schema_changes, fast.changes, fast.upserts, fast.deletes,
                     truncated=False, has_unchanged=fast.has_unchanged, vectorized=True, staged=staged,
+                    iceberg_typed=spark_schema == iceberg_arrow, inserts_only=_inserts_only(staged),
                 )  # fmt: skip
             folded = fold([(relation, changes_of(changes)) for relation, changes in staged], key)
             fill_moved_keys(folded, table, key)
@@ -586,32 +596,23 @@ class Materializer:
         timings = result.timings
         prepared = self.prepare_batch(table_key, cursor, entries, replay_epoch, timings)
         prepared = _without_keyless_deletes(table_key, prepared)
+        if self.tables[table_key].history is not None:
+            self._start_spark(table_key, timings)
         history = self._history_ready(table_key, prepared.table)
         self._fill_pending(table_key, prepared.table, timings)
-        spark = self.spark
-        target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
         properties = {SOURCE_LSN: format_lsn(complete_lsn)} if complete_lsn is not None else {}
-        with timed_phase(timings, "spark_merge"):
-            if prepared.rows.num_rows and self._upserts_on_branch(prepared):
-                with self._spark_view(spark, table_key, prepared.rows) as view:
-                    write_on_branch(
-                        spark,
-                        self.config.iceberg.catalog.name,
-                        prepared.identifier,
-                        prepared.table,
-                        prepared.key,
-                        view,
-                        prepared.truncated,
-                        properties,
-                    )
-            else:
-                # Only the batch's last commit is complete up to ``complete_lsn``.
-                with snapshot_properties(spark, properties if not prepared.rows.num_rows else {}):
-                    if prepared.truncated:
-                        spark.sql(_truncate_statement(target, prepared))
-                if prepared.rows.num_rows:
-                    with snapshot_properties(spark, properties):
-                        self._merge_rows(spark, table_key, target, prepared)
+        if self._appendable(table_key, prepared):
+            with timed_phase(timings, "pyiceberg_write"):
+                append_rows(prepared.table, prepared.rows, properties)
+            result.pyiceberg_writes += 1
+        elif self._replaceable(prepared):
+            with timed_phase(timings, "pyiceberg_write"):
+                replace_keys(prepared.table, prepared.rows, prepared.key, properties)
+            result.pyiceberg_writes += 1
+        else:
+            self._start_spark(table_key, timings)
+            with timed_phase(timings, "spark_merge"):
+                self._merge_batch(table_key, prepared, properties)
         with timed_phase(timings, "commit"):
             table = self.catalog.load_table(prepared.identifier)
             snapshot = table.current_snapshot()
@@ -633,6 +634,32 @@ class Materializer:
         result.last_lsn = last.flushable_lsn
         result.snapshot_id = snapshot.snapshot_id if snapshot else None
 
+    def _merge_batch(self, table_key: str, prepared: PreparedBatch, properties: dict[str, str]) -> None:
+        """Write the batch through Spark: a MERGE (after a TRUNCATE's delete), or for a large merge-on-read
+        table the branch write; ``properties`` go into the summary of the batch's last commit."""
+        spark = self.spark
+        if prepared.rows.num_rows and self._upserts_on_branch(prepared):
+            with self._spark_view(spark, table_key, prepared.rows) as view:
+                write_on_branch(
+                    spark,
+                    self.config.iceberg.catalog.name,
+                    prepared.identifier,
+                    prepared.table,
+                    prepared.key,
+                    view,
+                    prepared.truncated,
+                    properties,
+                )
+            return
+        target = spark_identifier(self.config.iceberg.catalog.name, *prepared.identifier)
+        # Only the batch's last commit is complete up to the source LSN ``properties`` carry.
+        with snapshot_properties(spark, properties if not prepared.rows.num_rows else {}):
+            if prepared.truncated:
+                spark.sql(_truncate_statement(target, prepared))
+        if prepared.rows.num_rows:
+            with snapshot_properties(spark, properties):
+                self._merge_rows(spark, table_key, target, prepared)
+
     def _write_history(
         self,
         history: tuple[HistoryWriter, Table, HistoryPosition],
@@ -652,6 +679,41 @@ class Materializer:
             return align_batches(list(staged_changes(self.object_store, later, offset, replay_epoch)), prepared.table)
 
         writer.write(table, position, staged_from, entries[-1].end_offset, prepared.key)
+
+    def _written_by_pyiceberg(self, prepared: PreparedBatch) -> bool:
+        """Whether pyiceberg can write the batch at all (see materializer.append): rows carrying every
+        column, typed as Iceberg stores them, and no soft delete (which updates the deleted row)."""
+        return (
+            prepared.iceberg_typed
+            and prepared.vectorized
+            and not prepared.has_unchanged
+            and prepared.rows.num_rows > 0
+            and deletion_columns(prepared.table) is None
+        )
+
+    def _appendable(self, table_key: str, prepared: PreparedBatch) -> bool:
+        """Whether the batch is appended without a MERGE (see materializer.append): it inserts rows and
+        nothing else, and nothing was committed to the table past the cursor (a replay after a crash
+        does not append). ``prepared.table`` was loaded under the writer lease."""
+        if not prepared.inserts_only or not self._written_by_pyiceberg(prepared):
+            return False
+        if pending_fills(prepared.table):
+            return False  # filled just before this batch: a commit past the cursor
+        snapshot = prepared.table.current_snapshot()
+        merged = self.store.merged_snapshot_id(self.group, table_key)
+        return snapshot is not None and snapshot.snapshot_id == merged
+
+    def _replaceable(self, prepared: PreparedBatch) -> bool:
+        """Whether the batch's keys are deleted and its upserts appended by pyiceberg (see
+        materializer.append): a copy-on-write table of at most ``materialize.pyiceberg_max_rows`` rows
+        whose keys pyiceberg compares exactly."""
+        limit = self.config.materialize.pyiceberg_max_rows
+        snapshot = prepared.table.current_snapshot()
+        if not limit or snapshot is None or snapshot.summary is None or not self._written_by_pyiceberg(prepared):
+            return False
+        if merges_on_read(prepared.table) or not keys_compare_exactly(prepared.table, prepared.key):
+            return False
+        return int(snapshot.summary.additional_properties.get("total-records", 0)) <= limit
 
     def _spark_view(self, spark: Any, table_key: str, rows: pa.Table) -> contextlib.AbstractContextManager[str]:
         """``rows`` as a Spark temporary view (see :func:`.branch.spark_view`)."""
@@ -694,6 +756,7 @@ class Materializer:
         fills = pending_fills(table)
         if not fills:
             return
+        self._start_spark(table_key, timings)
         identifier = self.tables[table_key].iceberg
         with timed_phase(timings, "spark_merge"):
             iceberg_arrow = arrow_schema(table.schema())
@@ -806,6 +869,11 @@ def staged_changes(
                 # after a resync) must not steer the evolution.
                 continue
         yield relation, changes
+
+
+def _inserts_only(staged: list[StagedBatch]) -> bool:
+    """Whether every staged change is an INSERT."""
+    return all(pc.all(pc.equal(changes.column("_op"), INSERT)).as_py() is not False for _, changes in staged)
 
 
 def _without_keyless_deletes(table_key: str, prepared: PreparedBatch) -> PreparedBatch:

@@ -16,13 +16,13 @@ from pyiceberg.io.pyarrow import _dataframe_to_data_files  # pyiceberg is pinned
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.sorting import NullOrder, SortDirection
 
 from ..config import OutOfRange
 from ..coordination.records import Chunk
 from ..iceberg.catalog import snapshot_summaries
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import no_pending_fills, source_files_properties
+from ..iceberg.layout import sorted_rows
 from ..iceberg.types import arrow_schema
 from ..iceberg.values import null_key_refusal, null_key_rows
 from ..source.catalog import SourceFiles, SourceTable, table_pages
@@ -147,24 +147,6 @@ def write_chunk(metadata: TableMetadata, io: FileIO, chunk: Chunk, rows: pa.Tabl
     # and keeps their order within each partition: sorted here, each file is sorted.
     files = tuple(_dataframe_to_data_files(table_metadata=metadata, df=sorted_rows(metadata, rows), io=io))
     return WrittenChunk(chunk, rows.num_rows, files=files)
-
-
-def sorted_rows(metadata: TableMetadata, rows: pa.Table) -> pa.Table:
-    """``rows`` in the table's sort order (unchanged for an unsorted table). Spark sorts what it writes
-    by itself; the snapshot sorts each chunk (in C, a fraction of encoding it)."""
-    order = metadata.sort_order()
-    if not order.fields:
-        return rows
-    schema = metadata.schema()
-    keys = [
-        (
-            schema.find_column_name(sort_field.source_id),
-            "descending" if sort_field.direction == SortDirection.DESC else "ascending",
-            "at_start" if sort_field.null_order == NullOrder.NULLS_FIRST else "at_end",
-        )
-        for sort_field in order.fields
-    ]
-    return rows.sort_by(keys)
 
 
 def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int | None:

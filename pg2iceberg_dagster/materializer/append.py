@@ -1,0 +1,80 @@
+"""Batches written to Iceberg by pyiceberg in this process, without a Spark ``MERGE``.
+
+A Spark ``MERGE`` costs about 0.2 CPU-seconds of planning and job start-up whatever its size, which
+is most of what a small table's merge costs (bench/tables.py). Two kinds of batch skip it:
+
+- **Inserts only** (any table): every change an INSERT adds a key the table does not hold, since the
+  table equals the source as of the cursor and the source refused duplicate keys. The rows are one
+  fast-append commit. A ``MERGE`` replayed after a crash is harmless, an append replayed would add
+  the rows twice: so the append is taken only while the table's current snapshot is still the one
+  the cursor was last advanced with (nothing committed past the cursor). A crash between the append
+  and the cursor's advance leaves the snapshot moved on, and the replay does not append.
+- **A small copy-on-write table** (``materialize.pyiceberg_max_rows``): the batch's keys deleted and
+  its upserts appended in one commit, as a repair writes. Like the ``MERGE``, writing the batch again
+  gives the same table. Only keys pyiceberg compares exactly (integers, text, dates) go this way.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.table import Table
+from pyiceberg.types import DateType, IntegerType, LongType, StringType
+
+from ..iceberg.commit import commit_with_retry
+from ..iceberg.key_filter import key_filter
+from ..iceberg.layout import sorted_rows
+from ..iceberg.types import arrow_schema
+from ..staging.codec import DELETE
+from .spark_sql import OP_COLUMN
+
+# A batch's new keys match no row: expected, not worth a warning per merge.
+warnings.filterwarnings("ignore", message="Delete operation did not match any records", category=UserWarning)
+
+# Key types whose values pyiceberg's filters compare exactly as PostgreSQL's equality does.
+_EXACT_KEY_TYPES = (IntegerType, LongType, StringType, DateType)
+
+
+def keys_compare_exactly(table: Table, key: Sequence[str]) -> bool:
+    """Whether every key column of ``table`` has a type pyiceberg's key filter matches exactly."""
+    schema = table.schema()
+    return all(isinstance(schema.find_field(name).field_type, _EXACT_KEY_TYPES) for name in key)
+
+
+def append_rows(table: Table, rows: pa.Table, properties: Mapping[str, str]) -> None:
+    """Append ``rows`` (every column of ``table`` by name, typed as Iceberg stores them; other columns
+    are left out) in one commit whose summary carries ``properties``."""
+    typed = _table_rows(table, rows)
+
+    def commit() -> None:
+        table.refresh()  # a concurrent commit (maintenance) is kept: appends commute with it
+        with table.transaction() as transaction:
+            transaction.append(sorted_rows(table.metadata, typed), snapshot_properties=dict(properties))
+
+    commit_with_retry(commit)
+
+
+def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: Mapping[str, str]) -> None:
+    """Delete the keys of ``rows`` (one per key, with the ``OP_COLUMN``) and append those that are
+    upserts, in one commit; ``properties`` go into the summary of its last snapshot."""
+    keys = list(zip(*(rows.column(name).to_pylist() for name in key), strict=True))
+    upserts = rows.filter(pc.not_equal(rows.column(OP_COLUMN), DELETE))
+    typed = _table_rows(table, upserts)
+
+    def commit() -> None:
+        table.refresh()
+        with table.transaction() as transaction:
+            transaction.delete(key_filter(key, keys), snapshot_properties={} if typed.num_rows else dict(properties))
+            if typed.num_rows:
+                transaction.append(sorted_rows(table.metadata, typed), snapshot_properties=dict(properties))
+
+    commit_with_retry(commit)
+
+
+def _table_rows(table: Table, rows: pa.Table) -> pa.Table:
+    """``rows`` with the table's columns in its order and its Arrow schema."""
+    schema = arrow_schema(table.schema())
+    return pa.Table.from_arrays([rows.column(field.name).cast(field.type) for field in schema], schema=schema)
