@@ -322,11 +322,13 @@ def mode_config(
 
 @dataclass(frozen=True)
 class ChildRun:
-    """A child process run to completion: exit code, wall seconds, and its own peak resident set."""
+    """A child process run to completion: exit code, wall seconds, its own peak resident set, and its
+    CPU seconds (user plus system, with those of the children it waited for)."""
 
     returncode: int
     seconds: float
     peak_rss_mib: float
+    cpu_seconds: float
 
 
 def run_child(argv: list[str], log: Path | None = None) -> ChildRun:
@@ -345,7 +347,7 @@ def run_child(argv: list[str], log: Path | None = None) -> ChildRun:
     finally:
         if log:
             output.close()  # type: ignore[union-attr]
-    return ChildRun(child.returncode, seconds, usage.ru_maxrss / 1024)
+    return ChildRun(child.returncode, seconds, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime)
 
 
 @contextlib.contextmanager

@@ -74,8 +74,9 @@ def _print_no_longer_configured(keys: list[str]) -> None:
 def cmd_snapshot(pipeline: Pipeline, args: argparse.Namespace) -> int:
     bar = _progress(None, "chunk", "snapshot")
 
-    def on_plan(total: int) -> None:
-        bar.reset(total=total)
+    def on_plan(total: int) -> None:  # the chunks planned so far: tables are planned while chunks run
+        bar.total = total
+        bar.refresh()
 
     try:
         results = pipeline.snapshot(on_chunk=lambda chunk, rows: bar.update(1), on_plan=on_plan)

@@ -43,8 +43,12 @@ class CoordinationStore:
         """``conn``: an open autocommit connection to ``target`` to use instead of a new one."""
         self.target = target
         self.conn = conn if conn is not None else connect(target)
+        # Connections of table_snapshot_lock not holding a lock now, kept for the next one.
+        self._idle_lock_conns: list[psycopg.Connection] = []
 
     def close(self) -> None:
+        for lock_conn in self._idle_lock_conns:
+            lock_conn.close()
         self.conn.close()
 
     def __enter__(self) -> CoordinationStore:
@@ -323,15 +327,25 @@ class CoordinationStore:
     @contextlib.contextmanager
     def table_snapshot_lock(self, table_name: str) -> Iterator[None]:
         """Serialize a table's epoch changes and chunk commits across processes (a session advisory
-        lock on a connection of its own, released even on a crash)."""
+        lock on a connection of its own, released even on a crash). The connection is kept for the
+        next lock once this one is released (a snapshot takes two per table: a new session each would
+        cost the state database a backend start each); on any error it is closed, which releases
+        whatever its session holds."""
         lock_key = zlib.crc32(f"pg2iceberg:snapshot-table:{table_name}".encode())
-        with connect(self.target) as lock_conn:
+        try:
+            lock_conn = self._idle_lock_conns.pop()  # atomic: threads never share one
+        except IndexError:
+            lock_conn = connect(self.target)
+        try:
             lock_conn.execute("SELECT pg_advisory_lock(%s)", (lock_key,))
             try:
                 yield
             finally:
-                with contextlib.suppress(psycopg.Error):
-                    lock_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
+                lock_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
+        except BaseException:
+            lock_conn.close()
+            raise
+        self._idle_lock_conns.append(lock_conn)
 
     # staged log ----------------------------------------------------------------------------------
 

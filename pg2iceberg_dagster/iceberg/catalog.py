@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.table import Table
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, ProgrammingError
@@ -136,34 +136,50 @@ def open_catalog(config: PipelineConfig) -> Catalog:
         return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
 
 
-def ensure_table(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:
+def ensure_table(
+    catalog: Catalog,
+    config: PipelineConfig,
+    mirrored: MirroredTable,
+    source: SourceTable,
+    properties: Mapping[str, str] | None = None,
+) -> Table:
     """Load the mirror table, creating it (primary key as identifier fields, the configured partition
-    spec and sort order) when missing, with the change metadata and deletion columns the table is configured with."""
-    table = _load_or_create(catalog, config, mirrored, source)
+    spec and sort order, and ``properties`` too) when missing, with the change metadata and deletion
+    columns the table is configured with."""
+    table = _load_or_create(catalog, config, mirrored, source, properties or {})
     return ensure_configured_columns(table, config, mirrored.config, source.columns)
 
 
-def _load_or_create(catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable) -> Table:
+def _load_or_create(
+    catalog: Catalog, config: PipelineConfig, mirrored: MirroredTable, source: SourceTable, extra: Mapping[str, str]
+) -> Table:
     identifier = mirrored.iceberg
-    namespace = identifier[:1]
     try:
         return catalog.load_table(identifier)
     except NoSuchTableError:
         pass
+    schema = iceberg_schema(source.columns, source.primary_key)
+    properties = {**new_table_properties(config, mirrored), **attnum_properties(schema, source.columns), **extra}
+    spec, sort_order = initial_layout(schema, mirrored.config, source.columns)
+
+    def create() -> Table:
+        return catalog.create_table_if_not_exists(
+            identifier,
+            schema,
+            location=new_table_location(config, identifier),
+            partition_spec=spec,
+            sort_order=sort_order,
+            properties=properties,
+        )
+
+    try:
+        return create()
+    except NoSuchNamespaceError:  # the first table of its namespace (not tried for every table)
+        pass
     # IntegrityError: the SQL catalog's insert lost a race with another process creating the namespace.
     with contextlib.suppress(NamespaceAlreadyExistsError, IntegrityError):
-        catalog.create_namespace(namespace)
-    schema = iceberg_schema(source.columns, source.primary_key)
-    properties = {**new_table_properties(config, mirrored), **attnum_properties(schema, source.columns)}
-    spec, sort_order = initial_layout(schema, mirrored.config, source.columns)
-    return catalog.create_table_if_not_exists(
-        identifier,
-        schema,
-        location=new_table_location(config, identifier),
-        partition_spec=spec,
-        sort_order=sort_order,
-        properties=properties,
-    )
+        catalog.create_namespace(identifier[:1])
+    return create()
 
 
 def new_table_properties(config: PipelineConfig, mirrored: MirroredTable) -> dict[str, str]:

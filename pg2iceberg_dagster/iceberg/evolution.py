@@ -428,12 +428,17 @@ def rebuild_schema(
     return transaction, plan.changes
 
 
-def without_pending_fills(table: Table, done: Sequence[int] | None = None) -> dict[str, str]:
-    """The pending-fill property with the fills of ``done`` (default: all) removed, to set in a commit."""
-    fills = _json_property(table, PENDING_FILLS) if done is not None else {}
-    for field_id in done or ():
+def without_pending_fills(table: Table, done: Sequence[int]) -> dict[str, str]:
+    """The pending-fill property with the fills of ``done`` removed, to set in a commit."""
+    fills = _json_property(table, PENDING_FILLS)
+    for field_id in done:
         fills.pop(str(field_id), None)
     return {PENDING_FILLS: json.dumps(fills, sort_keys=True)}
+
+
+def no_pending_fills() -> dict[str, str]:
+    """The pending-fill property of a table with none (every row holds its columns' values)."""
+    return {PENDING_FILLS: json.dumps({})}
 
 
 def clear_pending_fills(table: Table, done: Sequence[int]) -> None:

@@ -21,7 +21,7 @@ from ..config import OutOfRange
 from ..coordination.records import Chunk
 from ..iceberg.catalog import snapshot_summaries
 from ..iceberg.commit import commit_with_retry
-from ..iceberg.evolution import source_files_properties, without_pending_fills
+from ..iceberg.evolution import no_pending_fills, source_files_properties
 from ..iceberg.layout import sorted_rows
 from ..iceberg.types import arrow_schema
 from ..iceberg.values import null_key_refusal, null_key_rows
@@ -178,17 +178,27 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
     return commit_with_retry(commit)
 
 
+def epoch_properties(files: SourceFiles) -> dict[str, str]:
+    """The properties of a table whose snapshot starts in an epoch whose snapshot sees the source's
+    ``files``: those files, and no pending fill (every row is read again with its columns)."""
+    return {**no_pending_fills(), **source_files_properties(files)}
+
+
 def empty_for_epoch(table: Table, epoch: int, files: SourceFiles) -> None:
     """Delete every row of ``table`` before its snapshot starts (again) in ``epoch``, whose snapshot
     sees the source's ``files``. Defaults of added columns pending for the deleted rows go with
-    them: every row is read again with its columns."""
+    them: every row is read again with its columns. A table already empty with the
+    :func:`epoch_properties` (created so for this epoch) takes no commit."""
 
     def commit() -> None:
         table.refresh()
+        properties = epoch_properties(files)
+        if table.current_snapshot() is None and all(table.properties.get(k) == v for k, v in properties.items()):
+            return
         with table.transaction() as transaction:
             if table.current_snapshot() is not None:
                 transaction.delete(AlwaysTrue(), snapshot_properties={RESTART_EPOCH: str(epoch)})
-            transaction.set_properties({**without_pending_fills(table), **source_files_properties(files)})
+            transaction.set_properties(properties)
 
     commit_with_retry(commit)
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
@@ -33,8 +34,9 @@ from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import evolve_schema, rebuild_schema
 from ..iceberg.layout import apply_layout, follow_layout
 from ..materializer.change_stamp import stamp_snapshot
-from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_by
+from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, source_files_seen_in
 from ..source.connection import connect
+from ..source.xid_snapshot import imported_snapshot
 from ..tables import MirroredTables
 from ..validation import StartupReport
 from .chunks import (
@@ -44,6 +46,7 @@ from .chunks import (
     commit_chunks,
     committed_chunk_markers,
     empty_for_epoch,
+    epoch_properties,
     plan_table_chunks,
     read_chunk,
     write_chunk,
@@ -83,6 +86,24 @@ class TableSnapshotResult:
     complete: bool = False
 
 
+@dataclass(frozen=True)
+class SourceSessions:
+    """The source connections entering tables into an epoch uses, shared by every table of a run:
+    ``now`` plans chunks on the table's pages as they are now, ``seen`` is in a transaction on the
+    epoch's exported snapshot (the files its reads come from). A session per table would cost the
+    server a backend start each."""
+
+    now: psycopg.Connection
+    seen: psycopg.Connection
+
+
+@contextmanager
+def source_sessions(config: PipelineConfig, snapshot: AdvertisedSnapshot) -> Iterator[SourceSessions]:
+    """Both :class:`SourceSessions` for ``snapshot``, closed on leaving."""
+    with connect(config.source) as now, connect(config.source) as seen, imported_snapshot(seen, snapshot.name):
+        yield SourceSessions(now, seen)
+
+
 class SnapshotRunner:
     """Plans and runs the snapshot of the configured tables that are not complete yet.
 
@@ -120,19 +141,23 @@ class SnapshotRunner:
             table for key, table in self.report.tables.items() if key not in states or not states[key].snapshot_complete
         ]
 
-    def plan(self, table: SourceTable) -> list[Chunk]:
+    def plan(
+        self, table: SourceTable, source: psycopg.Connection | None = None, created_with: dict[str, str] | None = None
+    ) -> list[Chunk]:
         """Create the Iceberg table and store the chunk plan once; returns the stored plan.
 
         A table created by an earlier process follows the columns as they are now: a column renamed
         or added meanwhile is read under its new name by this process's chunks. An Iceberg table
         this pipeline has no state for (kept after the table left the config, which it rejoins now)
         is rebuilt to the source's columns instead: every row is read again. Either way the table
-        takes the configured partition spec and sort order before any chunk is written."""
+        takes the configured partition spec and sort order before any chunk is written. ``source``:
+        an open source connection to plan on (else one of its own); ``created_with``: properties the
+        Iceberg table takes if it is created here."""
         fresh = self.store.table_state(table.key) is None
         mirrored = self.mirrored[table.key]
 
         def follow() -> None:
-            iceberg = ensure_table(self.catalog, self.config, mirrored, table)
+            iceberg = ensure_table(self.catalog, self.config, mirrored, table, created_with)
             if fresh:
                 # One commit: a field the rebuild deletes must leave the spec in the same one.
                 transaction, changes = rebuild_schema(
@@ -144,24 +169,38 @@ class SnapshotRunner:
             else:
                 evolve_schema(iceberg, table.key, table.columns)
                 apply_layout(iceberg, table.key, mirrored.config, table.columns)
+            self._tables[table.key] = iceberg  # as loaded and committed here: no second load
 
         commit_with_retry(follow)
-        with connect(self.config.source) as conn:
+        with nullcontext(source) if source is not None else connect(self.config.source) as conn:
             planned = plan_table_chunks(conn, table, self.config.snapshot.chunk_pages)
         return self.store.start_table_snapshot(
             table.key, table.oid, ".".join(self.mirrored[table.key].iceberg), None, planned
         )
 
-    def enter_epoch(self, table: SourceTable, snapshot: AdvertisedSnapshot) -> tuple[list[Chunk], bool]:
+    def enter_epoch(
+        self, table: SourceTable, snapshot: AdvertisedSnapshot, sessions: SourceSessions | None = None
+    ) -> tuple[list[Chunk], bool]:
         """Make ``epoch`` the table's snapshot epoch; returns its chunks and whether it started again.
 
         A table already in ``epoch`` keeps its progress, and a chunk whose Iceberg commit landed just
         before a crash is recognised by its marker. A table in an older epoch (that snapshot is gone)
         is emptied and every chunk is read again: rows read at two moments cannot make one consistent
         table, because a row that moved pages in between can be read twice or not at all.
+        ``sessions``: the run's source sessions on ``snapshot`` (else sessions of its own).
         """
+        with ExitStack() as stack:
+            if sessions is None:
+                sessions = stack.enter_context(source_sessions(self.config, snapshot))
+            return self._enter_epoch(table, snapshot, sessions)
+
+    def _enter_epoch(
+        self, table: SourceTable, snapshot: AdvertisedSnapshot, sessions: SourceSessions
+    ) -> tuple[list[Chunk], bool]:
         epoch = snapshot.epoch
-        self.plan(table)
+        files = source_files_seen_in(sessions.seen, table)
+        # Created with the epoch's properties, a new table needs no commit to enter the epoch.
+        self.plan(table, sessions.now, epoch_properties(files))
         iceberg = self._iceberg_table(table)
         restarted = False
         with self.store.table_snapshot_lock(table.key):
@@ -174,7 +213,7 @@ class SnapshotRunner:
                 )
             if state.snapshot_epoch != epoch:
                 restarted = state.snapshot_epoch is not None or any(c.done for c in self.store.chunks(table.key))
-                empty_for_epoch(iceberg, epoch, source_files_seen_by(self.config.source, table, snapshot.name))
+                empty_for_epoch(iceberg, epoch, files)
                 self.store.restart_table_snapshot(table.key, epoch)
             committed = committed_chunk_markers(iceberg, epoch)
             for chunk in self.store.chunks(table.key):
@@ -232,12 +271,15 @@ class SnapshotRunner:
                 metadata = self._writer_metadata[table.key] = self._iceberg_table(table).metadata.model_copy(deep=True)
             return metadata
 
-    def commit_chunks(self, table: SourceTable, batch: list[WrittenChunk], epoch: int) -> list[tuple[Chunk, int]]:
-        """Commit written chunks of one table to Iceberg in one commit, then record each as done;
-        returns each chunk with its rows. Refused when the table moved to another epoch meanwhile."""
+    def commit_chunks(
+        self, table: SourceTable, batch: list[WrittenChunk], epoch: int, store: CoordinationStore
+    ) -> list[tuple[Chunk, int]]:
+        """Commit written chunks of one table to Iceberg in one commit, then record each as done on
+        ``store``; returns each chunk with its rows. Refused when the table moved to another epoch
+        meanwhile."""
         crash_point("snapshot.mid_chunk")
-        with self.store.table_snapshot_lock(table.key):
-            state = self.store.table_state(table.key)
+        with store.table_snapshot_lock(table.key):
+            state = store.table_state(table.key)
             if state is None or state.snapshot_epoch != epoch:
                 raise SnapshotEpochError(
                     f"{table.key} started again in snapshot epoch {state.snapshot_epoch if state else '-'} while "
@@ -247,7 +289,7 @@ class SnapshotRunner:
                 snapshot_id = commit_chunks(self._iceberg_table(table), batch, epoch)
             crash_point("snapshot.after_chunk_commit")
             for written in batch:
-                self.store.mark_chunk_done(table.key, written.chunk.index, written.rows, epoch, snapshot_id)
+                store.mark_chunk_done(table.key, written.chunk.index, written.rows, epoch, snapshot_id)
         return [(written.chunk, written.rows) for written in batch]
 
     def run_partitions(self, table_key: str, partition_keys: Iterable[str]) -> TableSnapshotResult:
@@ -289,28 +331,41 @@ class SnapshotRunner:
     def run(
         self, on_chunk: ChunkCallback | None = None, on_plan: Callable[[int], None] | None = None
     ) -> dict[str, TableSnapshotResult]:
-        """Snapshot every pending table under one exported snapshot."""
+        """Snapshot every pending table under one exported snapshot. Tables enter the epoch one after
+        another while the chunks of those before them are read, written and committed; ``on_plan``
+        gets the count of chunks to run so far after each table."""
         pending = self.pending_tables()
         results = {table.key: TableSnapshotResult() for table in pending}
         if not pending:
             return results
-        with self.holding_snapshot(pending) as snapshot:
-            work: list[tuple[SourceTable, Chunk]] = []
-            for table in pending:
-                chunks, restarted = self.enter_epoch(table, snapshot)
-                result = results[table.key]
-                result.epoch, result.restarted = snapshot.epoch, restarted
-                for chunk in chunks:
-                    if chunk.done:
-                        result.chunks_skipped += 1
-                    else:
-                        work.append((table, chunk))
-            if on_plan:
-                on_plan(len(work))
+        with self.holding_snapshot(pending) as snapshot, source_sessions(self.config, snapshot) as sessions:
+            work = self._entered_chunks(pending, snapshot, sessions, results, on_plan)
             self.run_chunks(work, snapshot, results, on_chunk)
         for table in pending:
             results[table.key].complete = self.complete_if_done(table.key)
         return results
+
+    def _entered_chunks(
+        self,
+        tables: Sequence[SourceTable],
+        snapshot: AdvertisedSnapshot,
+        sessions: SourceSessions,
+        results: dict[str, TableSnapshotResult],
+        on_plan: Callable[[int], None] | None,
+    ) -> Iterator[tuple[SourceTable, Chunk]]:
+        """Each table entered into ``snapshot``'s epoch in turn, then its chunks not done yet."""
+        planned = 0
+        for table in tables:
+            chunks, restarted = self.enter_epoch(table, snapshot, sessions)
+            result = results[table.key]
+            result.epoch, result.restarted = snapshot.epoch, restarted
+            todo = [chunk for chunk in chunks if not chunk.done]
+            result.chunks_skipped += len(chunks) - len(todo)
+            planned += len(todo)
+            if on_plan:
+                on_plan(planned)
+            for chunk in todo:
+                yield table, chunk
 
     def _usable_advertised_snapshot(
         self, tables: Sequence[SourceTable], timeout: float = 30.0
@@ -393,24 +448,28 @@ class SnapshotRunner:
 
     def run_chunks(
         self,
-        work: Sequence[tuple[SourceTable, Chunk]],
+        work: Iterable[tuple[SourceTable, Chunk]],
         snapshot: AdvertisedSnapshot,
         results: dict[str, TableSnapshotResult],
         on_chunk: ChunkCallback | None = None,
     ) -> None:
         """Run chunks under ``snapshot`` through read, write and commit (see :mod:`.stages`), adding to
-        ``results``; the first failure cancels what has not started and is raised."""
-        for chunk, rows in run_chunks(
-            self.config.source,
-            work,
-            read=lambda reader, table, chunk: self.read_chunk(reader, table, chunk, snapshot),
-            write=self.write_chunk,
-            commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch),
-            parallelism=self.config.snapshot.parallelism,
-            min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
-        ):
-            result = results[chunk.table_name]
-            result.rows += rows
-            result.chunks_run += 1
-            if on_chunk:
-                on_chunk(chunk, rows)
+        ``results``; the first failure cancels what has not started and is raised. ``work`` is taken
+        as the stages go (it may enter tables into the epoch on this runner's store), so the commits
+        record chunks on a store of their own: a transaction of one never takes in a statement of
+        the other."""
+        with CoordinationStore(self.store.target) as commit_store:
+            for chunk, rows in run_chunks(
+                self.config.source,
+                work,
+                read=lambda reader, table, chunk: self.read_chunk(reader, table, chunk, snapshot),
+                write=self.write_chunk,
+                commit=lambda table, batch: self.commit_chunks(table, batch, snapshot.epoch, commit_store),
+                parallelism=self.config.snapshot.parallelism,
+                min_commit_interval=MIN_COMMIT_INTERVAL_SECONDS,
+            ):
+                result = results[chunk.table_name]
+                result.rows += rows
+                result.chunks_run += 1
+                if on_chunk:
+                    on_chunk(chunk, rows)

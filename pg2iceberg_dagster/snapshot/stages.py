@@ -4,7 +4,9 @@ Up to ``parallelism`` chunks are read at once, as many are written as data files
 commits every chunk of a table written by then in one Iceberg commit (group commit), so neither the
 source connections nor the file writers wait for commits. Commits do not multiply with chunks: while
 more chunks of a table are coming, they are ``min_commit_interval`` seconds apart. At most
-``in_memory`` chunks are read and not yet written.
+``in_memory`` chunks are read and not yet written. The work is taken from its iterable by a thread of
+its own as the stages go: whatever producing the next chunk costs (creating its table...) overlaps
+with the chunks before it; a table's chunks come one after another.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -30,6 +33,13 @@ CHUNKS_IN_MEMORY_PER_WORKER = 4
 ReadChunk = Callable[[SourceTable, Chunk], pa.Table]
 WriteChunk = Callable[[SourceTable, Chunk, pa.Table], WrittenChunk]
 CommitChunks = Callable[[SourceTable, list[WrittenChunk]], list[tuple[Chunk, int]]]
+
+
+@dataclass(frozen=True)
+class _Fed:
+    """What taking one chunk of the work started: its read, and the taking of the next chunk."""
+
+    futures: tuple[Future[Any], ...]
 
 
 class ChunkStages:
@@ -55,18 +65,21 @@ class ChunkStages:
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
         self._committers: ThreadPoolExecutor | None = None
+        self._feeder: ThreadPoolExecutor | None = None
+        self._reads: list[Future[Any]] = []
+        self._stopped = threading.Event()
 
-    def run(self, work: Sequence[tuple[SourceTable, Chunk]]) -> Iterator[tuple[Chunk, int]]:
-        """Yield each committed chunk with its rows; the first failure cancels the reads not started
-        and is raised (chunks already read are still written and committed: valid progress)."""
-        self._unwritten.update(table.key for table, _ in work)
+    def run(self, work: Iterable[tuple[SourceTable, Chunk]]) -> Iterator[tuple[Chunk, int]]:
+        """Yield each committed chunk with its rows; the first failure (taking the work included)
+        stops taking work, cancels the reads not started and is raised (chunks already read are still
+        written and committed: valid progress)."""
         with self._pools():
-            assert self._readers is not None
-            reads = [self._readers.submit(self._read_then_hand_over, table, chunk) for table, chunk in work]
+            assert self._feeder is not None
             try:
-                yield from self._committed(set(reads))
+                yield from self._committed({self._feeder.submit(self._feed, iter(work))})
             except BaseException:
-                for future in reads:
+                self._stopped.set()
+                for future in list(self._reads):
                     future.cancel()
                 raise
 
@@ -77,6 +90,7 @@ class ChunkStages:
             self._committers = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="chunk-commit"))
             self._writers = stack.enter_context(ThreadPoolExecutor(self._parallelism, thread_name_prefix="chunk-write"))
             self._readers = stack.enter_context(ThreadPoolExecutor(self._parallelism, thread_name_prefix="chunk-read"))
+            self._feeder = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="chunk-feed"))
             yield
 
     @staticmethod
@@ -88,8 +102,23 @@ class ChunkStages:
                 outcome = future.result()
                 if isinstance(outcome, Future):  # a read or a write handed its chunk on
                     pending.add(outcome)
+                elif isinstance(outcome, _Fed):
+                    pending.update(outcome.futures)
                 else:
                     yield from outcome
+
+    def _feed(self, work: Iterator[tuple[SourceTable, Chunk]]) -> _Fed:
+        """Take the next chunk of ``work`` and start reading it; the next one is taken after."""
+        item = None if self._stopped.is_set() else next(work, None)
+        if item is None:
+            return _Fed(())
+        table, chunk = item
+        with self._ready_changed:
+            self._unwritten[table.key] += 1
+        assert self._readers is not None and self._feeder is not None
+        read = self._readers.submit(self._read_then_hand_over, table, chunk)
+        self._reads.append(read)
+        return _Fed((read, self._feeder.submit(self._feed, work)))
 
     def _read_then_hand_over(self, table: SourceTable, chunk: Chunk) -> Future[Any]:
         self._held.acquire()
@@ -140,7 +169,7 @@ class ChunkStages:
 
 def run_chunks(
     source: PostgresConnection,
-    work: Sequence[tuple[SourceTable, Chunk]],
+    work: Iterable[tuple[SourceTable, Chunk]],
     read: Callable[[ArrowReader, SourceTable, Chunk], pa.Table],
     write: WriteChunk,
     commit: CommitChunks,

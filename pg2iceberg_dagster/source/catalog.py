@@ -597,8 +597,14 @@ def source_files_seen_by(target: PostgresConnection, source: SourceTable, snapsh
     """The table's files as the exported snapshot ``snapshot_name`` sees them (rows read under it are
     from those files)."""
     with connect(target) as conn, imported_snapshot(conn, snapshot_name):
-        found = leaf_files(leaves(conn, source.oid)) if source.partitioned else None
-        return SourceFiles(file_node(conn, source.oid), found)
+        return source_files_seen_in(conn, source)
+
+
+def source_files_seen_in(conn: psycopg.Connection, source: SourceTable) -> SourceFiles:
+    """The table's files as ``conn``'s transaction sees them (one on an imported snapshot: the files
+    rows read under that snapshot come from); one transaction serves many tables."""
+    found = leaf_files(leaves(conn, source.oid)) if source.partitioned else None
+    return SourceFiles(file_node(conn, source.oid), found)
 
 
 def table_pages(conn: psycopg.Connection, oid: int) -> int:

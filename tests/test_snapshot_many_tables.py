@@ -1,0 +1,71 @@
+"""The snapshot of many tables: tables enter the epoch while earlier tables' chunks run, and a new
+table takes no commit of its own before its rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from pg2iceberg_dagster.iceberg.evolution import SOURCE_FILE_NODE
+from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
+
+from .conftest import Crash, SourceDb, assert_mirrored
+
+TABLES = 8
+CRASHING = 4  # the table whose entry into the epoch dies in test_crash_entering_a_later_table_resumes
+
+
+def _tables(source: SourceDb) -> list[str]:
+    """``TABLES`` tables, every third one of several chunks (the tests' chunk_pages is 8), the others
+    of a few rows; returns their keys."""
+    for index in range(TABLES):
+        rows = 3000 if index % 3 == 0 else 20 + index
+        source.execute(f"CREATE TABLE public.t{index} (id int PRIMARY KEY, v text)")
+        source.execute(f"INSERT INTO public.t{index} SELECT g, 'v' || g FROM generate_series(1, %s) g", (rows,))
+    return [f"public.t{index}" for index in range(TABLES)]
+
+
+def test_many_tables_snapshot_with_one_commit_per_small_table(source: SourceDb) -> None:
+    """Every table equals its source; a single-chunk table's Iceberg table went from its creation to
+    its rows in one commit, and records the source file its rows were read from."""
+    keys = _tables(source)
+    pipeline = source.pipeline(source.config(keys))
+    results = pipeline.snapshot()
+    assert all(result.complete for result in results.values()), results
+    assert {key: results[key].chunks_run > 1 for key in keys} == {key: key[-1] in "036" for key in keys}
+    assert_mirrored(pipeline)
+    for key in keys:
+        table = pipeline.catalog.load_table(pipeline.tables[key].iceberg)
+        (file_node,) = source.execute("SELECT relfilenode FROM pg_class WHERE oid = %s::regclass", (key,))[0]
+        assert table.properties[SOURCE_FILE_NODE] == str(file_node), key
+        if results[key].chunks_run == 1:
+            assert len(table.snapshots()) == 1, key
+            assert len(table.metadata.metadata_log) == 1, (key, table.metadata.metadata_log)  # created, then rows
+
+
+def test_crash_entering_a_later_table_resumes(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process dies entering a table into the epoch while the chunks of the tables before it run;
+    the export dies with it. Meanwhile one of the tables entered is rewritten (a new source file) and
+    another changes: the rerun, in a new epoch, brings every table to its source's rows."""
+    keys = _tables(source)
+    config = source.config(keys)
+    enter_epoch = SnapshotRunner.enter_epoch
+
+    def enter_or_crash(self: SnapshotRunner, table, snapshot, sessions=None):  # type: ignore[no-untyped-def]
+        if table.key == keys[CRASHING]:
+            raise Crash
+        return enter_epoch(self, table, snapshot, sessions)
+
+    monkeypatch.setattr(SnapshotRunner, "enter_epoch", enter_or_crash)
+    with pytest.raises(Crash):
+        source.pipeline(config).snapshot()
+    monkeypatch.undo()
+    source.execute("VACUUM FULL public.t1")
+    source.execute("UPDATE public.t2 SET v = v || '!'")
+    source.execute("DELETE FROM public.t3 WHERE id % 2 = 0")
+    second = source.pipeline(config)
+    results = second.snapshot()
+    assert all(result.complete and result.epoch == 1 for result in results.values()), results
+    assert_mirrored(second)
+    table = second.catalog.load_table(second.tables["public.t1"].iceberg)
+    (file_node,) = source.execute("SELECT relfilenode FROM pg_class WHERE oid = 'public.t1'::regclass")[0]
+    assert table.properties[SOURCE_FILE_NODE] == str(file_node)
