@@ -633,9 +633,18 @@ def merge_loop_rows(report: Report, result: RunMeasurement, tables: int, paralle
     samples = [s for s in result.samples if start <= s[0] <= end]
     merged_in_window = sum(1 for merge in merges if merge.logged <= end)
     cores = os.cpu_count() or 1
+    why = []
     if merged_in_window and len(samples) > 1:
-        per_merge = (samples[-1][4] - samples[0][4]) / merged_in_window
+        cpu, python = samples[-1][4] - samples[0][4], samples[-1][3] - samples[0][3]
+        per_merge = cpu / merged_in_window
         report.ratio("run_core_seconds_per_merge", per_merge, MERGE_CORE_SECONDS, at_most=True)
+        if per_merge > MERGE_CORE_SECONDS:
+            busy = cpu / (end - start)
+            why.append(
+                f"run: {per_merge:.3f} CPU-s per merge, {python / cpu:.0%} of it in Python (the flusher's too), the "
+                f"process at {busy:.2f} cores: Python threads share one interpreter lock, so past one core the "
+                "merge lanes and the flusher wait on each other"
+            )
     report.parameters["run"] |= {
         "cores": cores,
         "pass_core_seconds_median": round(percentile(periods, 0.5) * cores, 1) if periods else None,
@@ -643,7 +652,6 @@ def merge_loop_rows(report: Report, result: RunMeasurement, tables: int, paralle
         "merges_per_pass_median": percentile([float(count) for _, count in rounds], 0.5),
         "merge_phase_seconds_mean": {k: round(v, 3) for k, v in phases.items()},
     }
-    why = []
     if not p99 <= TARGETS["run"] and merges:
         per_table = percentile(periods, 0.5) / report.parameters["run"]["merges_per_pass_median"] if periods else None
         why.append(
