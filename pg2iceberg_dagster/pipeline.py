@@ -182,6 +182,7 @@ class Pipeline:
         self._catalog: Catalog | None = None
         self._report: StartupReport | None = None
         self._spark: Any = None
+        self._spark_lock = threading.Lock()  # `run` warms it up on a thread of its own
         # Kept for the pipeline's life: its merges read the catalog of every idle table each time.
         self.source_connection = KeptConnection(self.config.source)
         # What ``run`` observes (merge durations); served by the caller, or by nobody.
@@ -205,8 +206,9 @@ class Pipeline:
 
     def spark(self) -> Any:
         """The shared Spark session (created on first use)."""
-        if self._spark is None:
-            self._spark = self._spark_factory()
+        with self._spark_lock:
+            if self._spark is None:
+                self._spark = self._spark_factory()
         return self._spark
 
     def validate(self, refresh: bool = False) -> StartupReport:

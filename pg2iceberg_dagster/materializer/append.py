@@ -9,19 +9,26 @@ is most of what a small table's merge costs (bench/tables.py). Two kinds of batc
   the rows twice: so the append is taken only while the table's current snapshot is still the one
   the cursor was last advanced with (nothing committed past the cursor). A crash between the append
   and the cursor's advance leaves the snapshot moved on, and the replay does not append.
-- **A small copy-on-write table** (``materialize.pyiceberg_max_rows``): the batch's keys deleted and
-  its upserts appended in one commit, as a repair writes. Like the ``MERGE``, writing the batch again
-  gives the same table. Only keys pyiceberg compares exactly (integers, text, dates) go this way.
+- **A small copy-on-write table** (``materialize.pyiceberg_max_rows``): one overwrite snapshot, the
+  data files holding the batch's keys rewritten without them and with its upserts, as Spark's
+  copy-on-write ``MERGE`` writes. Like the ``MERGE``, writing the batch again gives the same table.
+  Only keys pyiceberg compares exactly (integers, text, dates) go this way.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.expressions.visitors import bind
+from pyiceberg.io.pyarrow import (  # pyiceberg is pinned: its delete rewrites files with these too
+    ArrowScan,
+    _dataframe_to_data_files,
+    _expression_to_complementary_pyarrow,
+)
 from pyiceberg.table import Table
 from pyiceberg.types import DateType, IntegerType, LongType, StringType
 
@@ -31,9 +38,6 @@ from ..iceberg.layout import sorted_rows
 from ..iceberg.types import arrow_schema
 from ..staging.codec import DELETE
 from .spark_sql import OP_COLUMN
-
-# A batch's new keys match no row: expected, not worth a warning per merge.
-warnings.filterwarnings("ignore", message="Delete operation did not match any records", category=UserWarning)
 
 # One pyiceberg write at a time in a process: they hold the GIL (manifests and metadata are Python
 # objects), so the merge lanes of `run` gain nothing writing at once, and the flusher thread beside
@@ -65,18 +69,39 @@ def append_rows(table: Table, rows: pa.Table, properties: Mapping[str, str]) -> 
 
 
 def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: Mapping[str, str]) -> None:
-    """Delete the keys of ``rows`` (one per key, with the ``OP_COLUMN``) and append those that are
-    upserts, in one commit; ``properties`` go into the summary of its last snapshot."""
+    """Replace the rows of the keys of ``rows`` (one per key, with the ``OP_COLUMN``) by its upserts,
+    in one overwrite snapshot whose summary carries ``properties``: every data file that holds one
+    of the keys is rewritten without them, together with the upserts, as a copy-on-write ``MERGE``
+    writes (appending the upserts apart would add a file at every merge)."""
     keys = list(zip(*(rows.column(name).to_pylist() for name in key), strict=True))
-    upserts = rows.filter(pc.not_equal(rows.column(OP_COLUMN), DELETE))
-    typed = _table_rows(table, upserts)
+    upserts = _table_rows(table, rows.filter(pc.not_equal(rows.column(OP_COLUMN), DELETE)))
 
     def commit() -> None:
         table.refresh()
-        with table.transaction() as transaction:
-            transaction.delete(key_filter(key, keys), snapshot_properties={} if typed.num_rows else dict(properties))
-            if typed.num_rows:
-                transaction.append(sorted_rows(table.metadata, typed), snapshot_properties=dict(properties))
+        doomed = key_filter(key, keys)
+        keep = _expression_to_complementary_pyarrow(bind(table.schema(), doomed, case_sensitive=True), table.schema())
+        touched, kept = [], [upserts]
+        # The files whose statistics may hold a key, each read with its position deletes applied.
+        for task in table.scan(row_filter=doomed).plan_files():
+            rows_of_file = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue()).to_table(tasks=[task])
+            left = rows_of_file.filter(keep)
+            if left.num_rows < rows_of_file.num_rows:
+                touched.append(task.file)
+                kept.append(left.cast(upserts.schema))
+        written = pa.concat_tables(kept)
+        if not touched and not written.num_rows:
+            return
+        files = _dataframe_to_data_files(
+            table_metadata=table.metadata, df=sorted_rows(table.metadata, written), io=table.io
+        )
+        with (
+            table.transaction() as transaction,
+            transaction.update_snapshot(snapshot_properties=dict(properties)).overwrite() as overwrite,
+        ):
+            for data_file in touched:
+                overwrite.delete_data_file(data_file)
+            for data_file in files:
+                overwrite.append_data_file(data_file)
 
     with _ONE_WRITE_AT_A_TIME:
         commit_with_retry(commit)

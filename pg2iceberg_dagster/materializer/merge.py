@@ -682,9 +682,11 @@ class Materializer:
 
     def _written_by_pyiceberg(self, prepared: PreparedBatch) -> bool:
         """Whether pyiceberg can write the batch at all (see materializer.append): rows carrying every
-        column, typed as Iceberg stores them, and no soft delete (which updates the deleted row)."""
+        column, typed as Iceberg stores them, and no soft delete (which updates the deleted row);
+        ``materialize.pyiceberg_max_rows: 0`` leaves every batch to Spark."""
         return (
-            prepared.iceberg_typed
+            self.config.materialize.pyiceberg_max_rows > 0
+            and prepared.iceberg_typed
             and prepared.vectorized
             and not prepared.has_unchanged
             and prepared.rows.num_rows > 0
@@ -709,7 +711,7 @@ class Materializer:
         whose keys pyiceberg compares exactly."""
         limit = self.config.materialize.pyiceberg_max_rows
         snapshot = prepared.table.current_snapshot()
-        if not limit or snapshot is None or snapshot.summary is None or not self._written_by_pyiceberg(prepared):
+        if snapshot is None or snapshot.summary is None or not self._written_by_pyiceberg(prepared):
             return False
         if merges_on_read(prepared.table) or not keys_compare_exactly(prepared.table, prepared.key):
             return False

@@ -1,0 +1,128 @@
+"""The CPU of one small table's merge on a warm session: pyiceberg's writes against Spark's MERGE.
+
+    .venv/bin/python -m bench.small_merge [--tables 40] [--rows 1000] [--changes 70] [--rounds 3]
+
+Starts its own PostgreSQL with ``--tables`` copy-on-write tables of ``--rows`` rows (the three column
+shapes of bench.tables), snapshots them, then, ``--rounds`` times, commits ``--changes`` single-row
+transactions to every table, stages them and merges every table one after the other, measuring the
+CPU-seconds of this process (Python) and of its Spark JVM per table merge. Two cases, each on its own
+pipeline: *mixed* (3 in 4 insert a new key, 1 in 4 update an older row) and *inserts* (every change an
+insert). Each is merged the way the pipeline chooses (``pyiceberg``: a pyiceberg write, see
+materializer/append.py) and with ``materialize.pyiceberg_max_rows: 0`` (``spark``: every batch a Spark
+MERGE, the limit it is compared with). The first round of each starts Spark or warms up and is left
+out. Every table is then compared with the source row by row (the bench fails on any difference).
+Target: <= 0.1 CPU-seconds per small-table merge (issue 34).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from pg2iceberg_dagster.pipeline import Pipeline
+
+from .common import (
+    SOURCE_DB,
+    Report,
+    argument_parser,
+    bench_cluster,
+    mode_config,
+    process_cpu_seconds,
+    process_tree,
+    work_dir,
+)
+from .tables import KEY, SHAPES, SourceTable, fill_tables
+
+TARGET = 0.1
+PIPELINES = [(case, way) for case in ("mixed", "inserts") for way in ("pyiceberg", "spark")]
+COPY_ON_WRITE = {f"write.{kind}.mode": "copy-on-write" for kind in ("merge", "update", "delete")}
+
+
+def jvm_cpu_seconds() -> float:
+    """CPU seconds of this process's children (its Spark JVM)."""
+    me = os.getpid()
+    return sum(process_cpu_seconds(pid) for pid in process_tree(me) if pid != me)
+
+
+def write(pg: Any, tables: list[SourceTable], changes: int, next_ids: dict[str, int], inserts_only: bool) -> None:
+    """Commit ``changes`` single-row transactions to every table."""
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        for table in tables:
+            for number in range(changes):
+                if not inserts_only and number % 4 == 3:
+                    row = random.randint(1, table.rows)
+                    conn.execute(f"UPDATE {table.name} SET {table.shape.update} WHERE {KEY} = %s", (row,))
+                    continue
+                new = next_ids[table.name]
+                next_ids[table.name] += 1
+                conn.execute(
+                    f"INSERT INTO {table.name} SELECT g, {table.shape.values} FROM generate_series(%s::bigint, %s) g",
+                    (new, new),
+                )
+
+
+def measure(pg: Any, root: Path, tables: list[SourceTable], case: str, way: str, args: Any) -> dict[str, float]:
+    """Merge ``--rounds`` rounds of writes on a pipeline of its own; CPU per merge after the first round."""
+    materialize = {"pyiceberg_max_rows": 0} if way == "spark" else {}
+    config, _ = mode_config(
+        pg, root, [t.key for t in tables], "small", f"{case}_{way}",
+        iceberg={"table_properties": COPY_ON_WRITE}, materialize=materialize,
+    )  # fmt: skip
+    # Each pipeline inserts keys of its own: the source tables are shared.
+    offset = 1_000_000 * (1 + PIPELINES.index((case, way)))
+    next_ids = {table.name: offset for table in tables}
+    python = jvm = wall = 0.0
+    merges = written = 0
+    with Pipeline(config) as pipeline:
+        pipeline.snapshot()
+        materializer = pipeline.materializer()  # one, as `run` keeps: what it learnt of each table stays
+        for round_ in range(args.rounds):
+            write(pg, tables, args.changes, next_ids, case == "inserts")
+            pipeline.stream(until_caught_up=True)
+            started, python_before, jvm_before = time.monotonic(), time.process_time(), jvm_cpu_seconds()
+            results = [materializer.materialize_table(table.key) for table in tables]
+            if round_ == 0:
+                continue  # Spark's start, the JVM and Python warming up
+            wall += time.monotonic() - started
+            python += time.process_time() - python_before
+            jvm += jvm_cpu_seconds() - jvm_before
+            merges += len(results)
+            written += sum(result.pyiceberg_writes for result in results)
+        differ = [str(diff) for diff in pipeline.verify() if not diff.ok]
+    if differ:
+        raise SystemExit(f"{case}/{way}: Iceberg differs from PostgreSQL: {differ}")
+    return {"wall": wall / merges, "python": python / merges, "jvm": jvm / merges, "pyiceberg": written / merges}
+
+
+def main() -> None:
+    parser = argument_parser(__doc__ or "")
+    parser.add_argument("--tables", type=int, default=40, help="tables, merged one after the other")
+    parser.add_argument("--rows", type=int, default=1000, help="rows in each table")
+    parser.add_argument("--changes", type=int, default=70, help="changes per table and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of writes and merges (the first is left out)")
+    args = parser.parse_args()
+    parameters = {"tables": args.tables, "rows": args.rows, "changes": args.changes, "rounds": args.rounds}
+    columns = ["case", "way", "wall_s", "python_cpu_s", "jvm_cpu_s", "cpu_s", "pyiceberg_share"]
+    report = Report("small_merge", parameters, columns)
+    with work_dir(args.dir) as root, bench_cluster(root) as pg:
+        tables = [SourceTable(f"t{index:03d}", args.rows, SHAPES[index % len(SHAPES)]) for index in range(args.tables)]
+        fill_tables(pg, tables)
+        cpu: dict[tuple[str, str], float] = {}
+        for case, way in PIPELINES:
+            figures = measure(pg, root, tables, case, way, args)
+            cpu[case, way] = figures["python"] + figures["jvm"]
+            report.add(case, way, *(figures[name] for name in ("wall", "python", "jvm")), cpu[case, way],
+                       figures["pyiceberg"])  # fmt: skip
+        for case in ("mixed", "inserts"):
+            report.ratio(f"{case}_cpu_s_per_merge", cpu[case, "pyiceberg"], TARGET, at_most=True)
+            report.ratio(f"{case}_cpu_vs_spark_merge", cpu[case, "pyiceberg"] / cpu[case, "spark"])
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()
