@@ -15,7 +15,8 @@ with the writes queued behind it, in a JVM still compiling its hot code) are beh
   ``flush.min_interval_seconds``). Target p99 <= 3 s.
 - ``dagster``: ``dagster dev`` in a child process on the same kind of pipeline (snapshot taken first
   by the engine); the flusher sensor stages, the automation sensor launches merge runs, each run a new
-  process attached to the pipeline's warm Spark driver (the first run starts it). Target p99 <= 20 s.
+  process attached to the pipeline's warm Spark driver when its batch needs Spark (the first such run
+  starts it). Target p99 <= 10 s; ``--min-run-interval 0`` for runs back to back.
 
 Each latency is split where the pipeline hands over: commit -> staged (``log_index.created_at`` of
 the file holding the change) -> Iceberg commit (the snapshot that made it visible) -> seen; under
@@ -66,7 +67,7 @@ TABLE = "accounts"
 TABLE_KEY = f"public.{TABLE}"
 KEY = "aid"
 POLL_SECONDS = 0.5
-TARGETS = {"run": 3.0, "dagster": 20.0}
+TARGETS = {"run": 3.0, "dagster": 10.0}
 
 
 class Writer(threading.Thread):
@@ -371,6 +372,27 @@ def add_rows(report: Report, result: Measurement) -> None:
         "ids": len(ids),
         "never_seen": len(missing),
     }
+    if result.mode == "dagster" and p99 > TARGETS["dagster"]:
+        print(f"why: {dagster_why(series)}")
+
+
+def dagster_why(series: dict[str, list[float]]) -> str:
+    """Where a row's wait under Dagster goes, from the spans the bench read off the runs."""
+
+    def p50(name: str) -> float:
+        return percentile(series.get(name, []), 0.5)
+
+    def p99(name: str) -> float:
+        return percentile(series.get(name, []), 0.99)
+
+    return (
+        f"dagster: a row waits for a flusher sensor tick (commit -> staged p99 {p99('commit -> staged'):.1f} s), "
+        f"for the run of its table in progress to end, its checks included (merged -> ended p50 "
+        f"{p50('run: merged -> ended (asset checks)'):.1f} s), for the merge sensor's next tick (previous ended -> "
+        f"created p50 {p50('run: previous ended -> created'):.1f} s), and for a new run process (created -> started "
+        f"p50 {p50('run: created -> started (queue, launch)'):.1f} s: the daemon's dequeue, a Python process "
+        f"importing the code location) before its merge ({p50('run: started -> merged (process, JVM, merge)'):.1f} s)"
+    )
 
 
 def main() -> None:
