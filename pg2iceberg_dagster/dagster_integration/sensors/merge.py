@@ -28,7 +28,8 @@ from ..mirror import Mirror, table_run_tag
 from ..resources import Pg2IcebergResource
 from .base import UNFINISHED, mirror_sensor
 
-# Every 5 s rather than Dagster's 30 s default: a merge waits for the next tick.
+# Every 5 s rather than Dagster's 30 s default: a merge waits for the next tick. (Dagster's sensor
+# daemon evaluates sensors at most every 5 s, MIN_INTERVAL_LOOP_TIME: a shorter interval gains nothing.)
 MERGE_TICK_SECONDS = 5
 
 
