@@ -292,8 +292,9 @@ class Pg2IcebergTranslator:
             "_pg2iceberg.log_index. Materialized by the flusher sensor.",
             "snapshot": f"Initial snapshot of {table.key} into the Iceberg table {iceberg}, one partition per CTID "
             "page chunk. Writes the same Iceberg table as the live asset.",
-            "iceberg": f"The live Iceberg table {iceberg}: the staged log MERGEd by primary key through Spark. "
-            "Writes the same Iceberg table as the snapshot asset." + (f" {policy}" if policy else ""),
+            "iceberg": f"The live Iceberg table {iceberg}: the staged log merged by primary key, by a Spark MERGE "
+            "or, for a batch pyiceberg writes exactly, by pyiceberg without a JVM. Writes the same Iceberg table as "
+            "the snapshot asset." + (f" {policy}" if policy else ""),
             HISTORY: f"The history of {table.key} in the Iceberg table "
             f"{iceberg}{self.config.change_metadata.history_suffix}: one row per version of each source row, valid "
             "from/to by commit LSN and time; written by the live table's merge, right after it (docs/history.md).",
