@@ -91,6 +91,20 @@ def test_a_small_copy_on_write_tables_batch_is_written_by_pyiceberg_and_a_replay
     assert_mirrored(pipeline)
 
 
+def test_a_batch_deleting_every_row_of_a_file_leaves_no_file_behind(source: SourceDb) -> None:
+    """The files a batch's deletes empty are removed with nothing written in their place."""
+    pipeline = _mirrored(source, "CREATE TABLE public.items (id int PRIMARY KEY, v text)", COW)
+    source.execute("DELETE FROM public.items")
+    batches = _merged(pipeline)
+    assert_mirrored(pipeline)
+    assert batches == (1, 1)
+    table = pipeline.catalog.load_table(pipeline.tables["public.items"].iceberg)
+    assert table.scan().to_arrow().num_rows == 0
+    source.execute("INSERT INTO public.items VALUES (1, 'back')")
+    assert _merged(pipeline) == (1, 1)
+    assert_mirrored(pipeline)
+
+
 @pytest.mark.parametrize(
     ("ddl", "properties", "materialize"),
     [

@@ -91,8 +91,11 @@ def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: M
         written = pa.concat_tables(kept)
         if not touched and not written.num_rows:
             return
-        files = _dataframe_to_data_files(
-            table_metadata=table.metadata, df=sorted_rows(table.metadata, written), io=table.io
+        # Nothing left to write when the batch deleted every row of the files it touched.
+        files = (
+            _dataframe_to_data_files(table.metadata, sorted_rows(table.metadata, written), table.io)
+            if written.num_rows
+            else []
         )
         with (
             table.transaction() as transaction,
