@@ -509,11 +509,11 @@ class MaterializeConfig(_Strict):
     # Below it the MERGE's one commit is cheaper (measured crossover on 2 cores: about 300k rows).
     branch_upsert_min_rows: int = Field(300_000, ge=0)
     # A batch into a copy-on-write table of at most this many rows (its keys of integer, text or date
-    # types, every column carried) is written by pyiceberg in this process: its keys deleted and its
-    # upserts appended in one commit. A Spark MERGE costs about 0.2 CPU-seconds whatever its size; on
-    # 2 cores this took 0.07 for a 1,000-row table's 70 changes and 0.42 against Spark's 3.4-4.2 for a
-    # 1M-row table's 1,000 (materializer/append.py). The data files it rewrites are read into this
-    # process's memory, hence the limit. 0: always Spark.
+    # types, every column carried) is written by pyiceberg in this process: the files holding its keys
+    # rewritten without them and with its upserts, in one commit. A Spark MERGE costs about 0.2
+    # CPU-seconds whatever its size; on 2 cores this took 0.07 for a 1,000-row table's 70 changes, and
+    # 0.42 against Spark's 3.4-4.2 for a 1M-row table's 1,000 (materializer/append.py). The data files
+    # it rewrites are read into this process's memory, hence the limit. 0: always Spark.
     pyiceberg_max_rows: int = Field(1_000_000, ge=0)
     # Tables merged at once on the one Spark session (each with its own connections): a small
     # table's merge is mostly Spark's per-statement overhead, which other merges fill. Four at a

@@ -53,7 +53,7 @@ from .iceberg.change_metadata import deletion_columns
 from .iceberg.delete_formats import merges_on_read
 from .iceberg.evolution import evolve_schema, pending_fills, source_files_properties, without_pending_fills
 from .iceberg.key_filter import key_filter
-from .iceberg.types import arrow_schema
+from .iceberg.types import arrow_schema, as_table_rows
 from .materializer.branch import spark_view, write_on_branch
 from .materializer.spark_sql import OP_COLUMN
 from .snapshot.holder import SnapshotHolder
@@ -323,7 +323,8 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str, file
         key_names = [schema.find_field(field_id).name for field_id in schema.identifier_field_ids]
         transaction.delete(key_filter(key_names, doomed), snapshot_properties=properties)
     if differences.upserted:
-        transaction.append(_as_table_rows(table, pa.concat_tables(differences.upserts)), snapshot_properties=properties)
+        upserts = as_table_rows(table.schema(), pa.concat_tables(differences.upserts))
+        transaction.append(upserts, snapshot_properties=properties)
     try:
         committed = transaction.commit_transaction()
     except CommitFailedException as exc:
@@ -386,7 +387,7 @@ def _spark_rows(table: Table, differences: RowDifferences) -> pa.Table:
     key_names = [table.schema().find_field(field_id).name for field_id in table.schema().identifier_field_ids]
     parts = []
     if differences.upserted:
-        upserts = _as_table_rows(table, pa.concat_tables(differences.upserts))
+        upserts = as_table_rows(table.schema(), pa.concat_tables(differences.upserts))
         parts.append(upserts.append_column(OP_COLUMN, pa.array(["U"] * upserts.num_rows, pa.string())))
     keys = differences.delete_only_keys
     if keys:
@@ -400,14 +401,3 @@ def _spark_rows(table: Table, differences: RowDifferences) -> pa.Table:
             pa.Table.from_arrays([*columns, pa.array(["D"] * len(keys), pa.string())], names=[*schema.names, OP_COLUMN])
         )
     return pa.concat_tables(parts, promote_options="permissive")
-
-
-def _as_table_rows(table: Table, rows: pa.Table) -> pa.Table:
-    """``rows`` (the source's columns, typed for Iceberg) as the table's Arrow schema: its field order,
-    and NULL for columns dropped at the source that Iceberg keeps."""
-    schema = arrow_schema(table.schema())
-    columns = [
-        rows.column(target.name) if target.name in rows.column_names else pa.nulls(rows.num_rows, target.type)
-        for target in schema
-    ]
-    return pa.Table.from_arrays(columns, schema=schema)

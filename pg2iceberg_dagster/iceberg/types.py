@@ -283,3 +283,16 @@ def arrow_column(values: list[Any], arrow_type: pa.DataType, column: str) -> pa.
 def arrow_schema(schema: Schema) -> pa.Schema:
     """The Arrow schema pyiceberg writes for an Iceberg schema (field ids included)."""
     return schema_to_pyarrow(schema)
+
+
+def as_table_rows(schema: Schema, rows: pa.Table) -> pa.Table:
+    """``rows`` (columns by name, typed for Iceberg) in ``schema``'s Arrow schema: its field order, each
+    column cast to its field's type, and NULL for a column ``rows`` lacks (dropped at the source, kept
+    by Iceberg)."""
+    target = arrow_schema(schema)
+    present = set(rows.column_names)
+    columns = [
+        rows.column(field.name).cast(field.type) if field.name in present else pa.nulls(rows.num_rows, field.type)
+        for field in target
+    ]
+    return pa.Table.from_arrays(columns, schema=target)

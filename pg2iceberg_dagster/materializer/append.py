@@ -35,7 +35,7 @@ from pyiceberg.types import DateType, IntegerType, LongType, StringType
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.key_filter import key_filter
 from ..iceberg.layout import sorted_rows
-from ..iceberg.types import arrow_schema
+from ..iceberg.types import as_table_rows
 from ..staging.codec import DELETE
 from .spark_sql import OP_COLUMN
 
@@ -57,7 +57,7 @@ def keys_compare_exactly(table: Table, key: Sequence[str]) -> bool:
 def append_rows(table: Table, rows: pa.Table, properties: Mapping[str, str]) -> None:
     """Append ``rows`` (every column of ``table`` by name, typed as Iceberg stores them; other columns
     are left out) in one commit whose summary carries ``properties``."""
-    typed = _table_rows(table, rows)
+    typed = as_table_rows(table.schema(), rows)
 
     def commit() -> None:
         table.refresh()  # a concurrent commit (maintenance) is kept: appends commute with it
@@ -74,7 +74,7 @@ def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: M
     of the keys is rewritten without them, together with the upserts, as a copy-on-write ``MERGE``
     writes (appending the upserts apart would add a file at every merge)."""
     keys = list(zip(*(rows.column(name).to_pylist() for name in key), strict=True))
-    upserts = _table_rows(table, rows.filter(pc.not_equal(rows.column(OP_COLUMN), DELETE)))
+    upserts = as_table_rows(table.schema(), rows.filter(pc.not_equal(rows.column(OP_COLUMN), DELETE)))
 
     def commit() -> None:
         table.refresh()
@@ -108,9 +108,3 @@ def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: M
 
     with _ONE_WRITE_AT_A_TIME:
         commit_with_retry(commit)
-
-
-def _table_rows(table: Table, rows: pa.Table) -> pa.Table:
-    """``rows`` with the table's columns in its order and its Arrow schema."""
-    schema = arrow_schema(table.schema())
-    return pa.Table.from_arrays([rows.column(field.name).cast(field.type) for field in schema], schema=schema)

@@ -601,20 +601,22 @@ class Materializer:
         history = self._history_ready(table_key, prepared.table)
         self._fill_pending(table_key, prepared.table, timings)
         properties = {SOURCE_LSN: format_lsn(complete_lsn)} if complete_lsn is not None else {}
+        by_pyiceberg = True
         if self._appendable(table_key, prepared):
             with timed_phase(timings, "pyiceberg_write"):
                 append_rows(prepared.table, prepared.rows, properties)
-            result.pyiceberg_writes += 1
         elif self._replaceable(prepared):
             with timed_phase(timings, "pyiceberg_write"):
                 replace_keys(prepared.table, prepared.rows, prepared.key, properties)
-            result.pyiceberg_writes += 1
         else:
+            by_pyiceberg = False
             self._start_spark(table_key, timings)
             with timed_phase(timings, "spark_merge"):
                 self._merge_batch(table_key, prepared, properties)
+        result.pyiceberg_writes += by_pyiceberg
         with timed_phase(timings, "commit"):
-            table = self.catalog.load_table(prepared.identifier)
+            # pyiceberg's write left ``prepared.table`` current; Spark's commit is in the catalog only.
+            table = prepared.table if by_pyiceberg else self.catalog.load_table(prepared.identifier)
             snapshot = table.current_snapshot()
             last = entries[-1]
         if history is not None:
@@ -706,7 +708,7 @@ class Materializer:
         return snapshot is not None and snapshot.snapshot_id == merged
 
     def _replaceable(self, prepared: PreparedBatch) -> bool:
-        """Whether the batch's keys are deleted and its upserts appended by pyiceberg (see
+        """Whether pyiceberg rewrites the files holding the batch's keys with its upserts (see
         materializer.append): a copy-on-write table of at most ``materialize.pyiceberg_max_rows`` rows
         whose keys pyiceberg compares exactly."""
         limit = self.config.materialize.pyiceberg_max_rows
