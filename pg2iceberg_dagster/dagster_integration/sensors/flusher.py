@@ -9,6 +9,8 @@ the repair sensor launches has replaced the slot; ticks skip while that run is u
 The process that evaluates it (the code location server) also serves the pipeline's Prometheus
 metrics when ``metrics.port`` is set (``pg2iceberg_dagster/metrics.py``)."""
 
+import time
+
 from dagster import (
     AssetCheckEvaluation,
     AssetMaterialization,
@@ -30,6 +32,11 @@ from ..slot import slot_check_evaluation, slot_observation
 from .base import job_in_flight, mirror_sensor
 
 TICK_SECONDS = 20.0  # well under Dagster's 60 s sensor timeout
+# Dagster's sensor daemon looks for due ticks every 5 s (MIN_INTERVAL_LOOP_TIME). A tick done just
+# before one of those looks is followed by the next at once; one done just after leaves every commit
+# of the next ~5 s unstaged. So a tick (a multiple of 5 s) stops streaming this long before its end:
+# its last flush, the lag and slot reads, and the daemon storing its events fit in it.
+TICK_HANDOFF_SECONDS = 1.5
 
 
 def _staged_log_event(
@@ -59,8 +66,14 @@ def tick_summary(tick: FlushTick) -> str:
     return f"staged {changes} changes of {len(staged)} tables up to LSN {tick.flushed_lsn_text}"
 
 
+def _streaming_budget(tick_seconds: float, started: float) -> float:
+    """How long a tick that began at ``started`` (``time.monotonic()``) may still stream."""
+    handoff = min(TICK_HANDOFF_SECONDS, tick_seconds / 4)  # a short tick (tests) still streams
+    return max(0.0, tick_seconds - handoff - (time.monotonic() - started))
+
+
 def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> SensorDefinition:
-    """The mirror's flusher: each tick streams for at most ``tick_seconds``.
+    """The mirror's flusher: each tick streams for at most ``tick_seconds`` (less its handoff).
 
     A tick reports, as runless asset events: a materialization of each table's staged log it staged
     changes of (with ``lag`` and ``lag_seconds``); an observation of the replication slot and its
@@ -78,13 +91,14 @@ def flusher_sensor(mirror: Mirror, tick_seconds: float = TICK_SECONDS) -> Sensor
         description="Streams the replication slot into the staged log in bounded ticks; observes the slot.",
     )
     def _flusher(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
+        started = time.monotonic()
         if job_in_flight(context, repair_job):
             # The repair replaces the slot and holds it while it compares: streaming resumes after it.
             return SkipReason(f"waiting for the repair run ({repair_job}) to replace the replication slot")
         with pg2iceberg.pipeline() as pipeline:
             serve_metrics_once(pipeline.config)  # the first tick starts the endpoint, later ones pass
             try:
-                tick = pipeline.flush_tick(max_seconds=tick_seconds)
+                tick = pipeline.flush_tick(max_seconds=_streaming_budget(tick_seconds, started))
             except SlotBusyError as exc:
                 return SkipReason(str(exc))
             except StartupCheckError as exc:
