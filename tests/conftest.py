@@ -86,6 +86,15 @@ def warm_spark_servers(workdir: Path) -> Iterator[None]:
             stop_server_at(endpoint)
 
 
+@pytest.fixture(autouse=True)
+def merge_sensor_answers_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge sensor tick invoked by a test answers from one look: it does not watch for a run to
+    request for seconds, as it does between the daemon's looks (test_dagster tests the watch)."""
+    from pg2iceberg_dagster.dagster_integration.sensors import merge
+
+    monkeypatch.setattr(merge, "MERGE_WATCH_SECONDS", 0.0)
+
+
 @pytest.fixture(scope="session")
 def pg(workdir: Path) -> Iterator[EmbeddedPostgres]:
     cluster = EmbeddedPostgres(workdir / "pg", int(os.environ.get("PG2ICEBERG_TEST_PORT", free_port())))

@@ -3,6 +3,7 @@ snapshot partitions under one exported snapshot, the flusher sensor, lag automat
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import yaml
 from dagster import (
     AddDynamicPartitionsRequest,
     AssetKey,
+    AssetMaterialization,
+    DagsterEventType,
     DagsterInstance,
     DagsterRun,
     DagsterRunStatus,
@@ -26,11 +29,13 @@ from dagster import (
     instance_for_test,
     materialize,
 )
+from dagster._core.events import DagsterEvent, StepMaterializationData
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, SparkResource, build_definitions
 from pg2iceberg_dagster.dagster_integration.assets import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
 from pg2iceberg_dagster.dagster_integration.mirror import MIRROR_RUN_TAG, TABLES_RUN_TAG, table_run_tag
+from pg2iceberg_dagster.dagster_integration.sensors import merge as merge_sensors
 from pg2iceberg_dagster.snapshot.holder import holder_lock_key
 
 from .conftest import SourceDb, assert_mirrored
@@ -377,7 +382,7 @@ def test_a_quiet_table_is_merged_and_checked_every_quiet_interval(source: Source
 
 
 def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source: SourceDb, tmp_path: Path) -> None:
-    """A busy table: while a merge run of it is in progress, and until
+    """A busy table: while a merge run of it is in progress (until it has merged it and only checks it), and until
     ``materialize.min_run_interval_seconds`` after its last run was created, the merge sensor leaves it
     out (its changes wait for the next run, which merges several flushes); 0 launches whenever it lags."""
     for name in ("busy", "other"):
@@ -397,7 +402,7 @@ def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source
     defs = build_definitions(config_path)
     with instance_for_test() as instance:
         # A run of busy in progress (as the daemon would have launched it): busy is left out.
-        instance.add_run(
+        in_progress = instance.add_run(
             DagsterRun(job_name=MERGE_JOB, status=DagsterRunStatus.STARTED, tags={table_run_tag("public.busy"): "true"})
         )
         write("busy", "other")
@@ -417,10 +422,50 @@ def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source
         assert request is not None and request.asset_selection == [other]
         assert _launch(defs, instance, request).success
 
+        # Busy's run records busy merged and goes on to its checks: the next run of busy may start.
+        busy = AssetKey(["iceberg", f"{source.name}_public", "busy"])
+        materialized = StepMaterializationData(AssetMaterialization(busy))
+        event = DagsterEvent(DagsterEventType.ASSET_MATERIALIZATION.value, MERGE_JOB, event_specific_data=materialized)
+        instance.report_dagster_event(event, run_id=in_progress.run_id)
+        request = _merge_requested(defs, instance, config_path)
+        assert request is not None and request.asset_selection == [busy], "busy's run is only checking it"
+
         # The default (30 s) holds other back too: its last run was created a moment ago.
         write("other")
         config_path = _write_config(source, tmp_path, tables)
         assert _merge_requested(defs, instance, config_path) is None
+
+
+def test_a_merge_tick_with_nothing_to_request_watches_for_a_table_to_lag(
+    source: SourceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dagster's daemon looks at the sensor every 5 s at most: a tick with no run to request looks again
+    until its watch ends, and requests the merge of a table that starts lagging meanwhile."""
+    source.execute("CREATE TABLE public.calm (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.calm VALUES (1, 'a')")
+    pipeline = source.pipeline(source.config(["public.calm"]))
+    pipeline.snapshot()
+    calm = AssetKey(["iceberg", f"{source.name}_public", "calm"])
+    config_path = _write_config(source, tmp_path, ["public.calm"], materialize={"min_run_interval_seconds": 0})
+    defs = build_definitions(config_path)
+    with instance_for_test() as instance:
+        assert _merge_requested(defs, instance, config_path) is None, "nothing lags: one look, no request"
+
+        def change_soon() -> None:
+            time.sleep(0.5)
+            source.execute("UPDATE public.calm SET v = 'b' WHERE id = 1")
+            pipeline.stream(until_caught_up=True)
+
+        monkeypatch.setattr(merge_sensors, "MERGE_WATCH_SECONDS", 60.0)
+        staging = threading.Thread(target=change_soon)
+        staging.start()
+        try:
+            request = _merge_requested(defs, instance, config_path)
+        finally:
+            staging.join()
+        assert request is not None and request.asset_selection == [calm], "lagging during the watch"
+        assert _launch(defs, instance, request).success
+        assert_mirrored(pipeline)
 
 
 def test_resync_maintenance_and_repair_refuse_an_unknown_table(source: SourceDb, tmp_path: Path) -> None:

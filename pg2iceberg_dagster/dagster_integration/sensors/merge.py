@@ -2,7 +2,10 @@
 requests one run of the merge job (``<mirror>_merge``) for them all, each table tagged. A table is left
 out while a merge run of it is queued or running, and until ``materialize.min_run_interval_seconds``
 have passed since its last merge run was created: a busy table then merges several flushes per run
-instead of paying a run's start-up for each. A quiet table (nothing to merge) joins a run when it has
+instead of paying a run's start-up for each. A run that has merged a table (its materialization is
+recorded) and is only checking it no longer holds the table back: the next run's start-up overlaps
+those checks, which compare a consistent pair of merge cursor and Iceberg snapshot whatever merges
+after them (see ``checks.py``). A quiet table (nothing to merge) joins a run when it has
 had none for ``checks.quiet_interval_seconds`` (by default half the freshness warn window): its checks
 then say how it is now, rather than never running, and its materialization (no changes applied) is
 what keeps its freshness policy satisfied."""
@@ -10,9 +13,13 @@ what keeps its freshness policy satisfied."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 
 from dagster import (
+    AssetKey,
+    DagsterEventType,
+    DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
     RunsFilter,
@@ -23,35 +30,54 @@ from dagster import (
 )
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
+from pg2iceberg_dagster.pipeline import Pipeline
+
 from ..assets import live_check_keys
 from ..mirror import Mirror, table_run_tag
 from ..resources import Pg2IcebergResource
 from .base import UNFINISHED, mirror_sensor
 
-# Every 5 s rather than Dagster's 30 s default: a merge waits for the next tick. (Dagster's sensor
-# daemon evaluates sensors at most every 5 s, MIN_INTERVAL_LOOP_TIME: a shorter interval gains nothing.)
-MERGE_TICK_SECONDS = 5
+# Dagster's sensor daemon looks for due sensors every 5 s (MIN_INTERVAL_LOOP_TIME). A minimum interval
+# of 5 s would skip every other look (a look comes a few ms short of 5 s after the last tick: merges
+# waited 10 s), so it is shorter, and each look evaluates the sensor. A tick with no run to request
+# looks again every MERGE_WATCH_POLL_SECONDS for MERGE_WATCH_SECONDS, ending before the daemon's next
+# look: a table that starts lagging (or whose run has merged it) waits about half a second for its
+# run rather than up to 5 s.
+MERGE_TICK_SECONDS = 1
+MERGE_WATCH_SECONDS = 3.5
+MERGE_WATCH_POLL_SECONDS = 0.5
 
 
-def _merging(context: SensorEvaluationContext, job_name: str, tables: Iterable[str]) -> set[str]:
-    """Which of ``tables`` a queued or running run of ``job_name`` merges (one query)."""
-    tags = {table_run_tag(key): key for key in tables}
+def _merging(context: SensorEvaluationContext, job_name: str, live: Mapping[str, AssetKey]) -> set[str]:
+    """Which of the tables ``live`` (table key -> its live asset) a queued or running run of
+    ``job_name`` has still to merge: not those whose materialization the run has recorded (it is
+    checking them). One query, and one per started run."""
+    tags = {table_run_tag(key): key for key in live}
     runs = context.instance.get_runs(filters=RunsFilter(job_name=job_name, statuses=UNFINISHED))
-    return {tags[tag] for run in runs for tag in run.tags if tag in tags}
+    merging: set[str] = set()
+    for run in runs:
+        tables = {tags[tag] for tag in run.tags if tag in tags}
+        if tables and run.status == DagsterRunStatus.STARTED:
+            tables -= _merged_by(context, run.run_id, {live[key]: key for key in tables})
+        merging |= tables
+    return merging
 
 
-def _seconds_since_last_run(context: SensorEvaluationContext, job_name: str, table_key: str) -> float | None:
-    """Seconds since the last run of ``job_name`` on ``table_key`` was created (None: never)."""
-    records = context.instance.get_run_records(
-        filters=RunsFilter(job_name=job_name, tags={table_run_tag(table_key): "true"}), limit=1
-    )
-    return time.time() - records[0].create_timestamp.timestamp() if records else None
+def _merged_by(context: SensorEvaluationContext, run_id: str, tables: Mapping[AssetKey, str]) -> set[str]:
+    """Which of ``tables`` (live asset -> table key) the run ``run_id`` has materialized so far."""
+    events = context.instance.get_records_for_run(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
+    keys = {record.event_log_entry.dagster_event.asset_key for record in events if record.event_log_entry.dagster_event}
+    return {table for key, table in tables.items() if key in keys}
 
 
-def _quiet_due(context: SensorEvaluationContext, job_name: str, table_key: str, interval: float) -> bool:
-    """Whether the quiet ``table_key`` had no merge run (so no checks) for ``interval`` seconds."""
-    since = _seconds_since_last_run(context, job_name, table_key)
-    return since is None or since >= interval
+def _run_within(context: SensorEvaluationContext, job_name: str, seconds: float, live: Iterable[str]) -> set[str]:
+    """Which of the tables ``live`` had a run of ``job_name`` created in the last ``seconds`` (one query)."""
+    if seconds <= 0:
+        return set()
+    since = datetime.fromtimestamp(time.time() - seconds, UTC)
+    records = context.instance.get_run_records(filters=RunsFilter(job_name=job_name, created_after=since))
+    tags = {table_run_tag(key): key for key in live}
+    return {tags[tag] for record in records for tag in record.dagster_run.tags if tag in tags}
 
 
 def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDefinition:
@@ -70,24 +96,26 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
         "a run every checks.quiet_interval_seconds, for its checks and freshness.",
     )
     def _merge(context: SensorEvaluationContext, pg2iceberg: Pg2IcebergResource) -> SensorResult | SkipReason:
+        watch_until = time.monotonic() + MERGE_WATCH_SECONDS
         with pg2iceberg.pipeline() as pipeline:
-            lagging = sorted(key for key in pipeline.tables_to_merge() if key in tables)
-            quiet = sorted(key for key in pipeline.mergeable_tables() - set(lagging) if key in tables)
-            interval = pipeline.config.materialize.min_run_interval_seconds
-            quiet_interval = pipeline.config.quiet_interval()
-        merging = _merging(context, job.name, [*lagging, *quiet])
-        waiting: list[str] = []
-        ready: list[str] = []
-        for key in lagging:
-            if key in merging:
-                continue
-            since = _seconds_since_last_run(context, job.name, key) if interval > 0 else None
-            (waiting if since is not None and since < interval else ready).append(key)
-        due = [
-            key
-            for key in quiet
-            if quiet_interval > 0 and key not in merging and _quiet_due(context, job.name, key, quiet_interval)
-        ]
+            while True:
+                looked = _look(context, pipeline)
+                if isinstance(looked, SensorResult) or time.monotonic() >= watch_until:
+                    return looked
+                time.sleep(MERGE_WATCH_POLL_SECONDS)
+
+    def _look(context: SensorEvaluationContext, pipeline: Pipeline) -> SensorResult | SkipReason:
+        """One look: the run to request now, or why none."""
+        lagging = sorted(key for key in pipeline.tables_to_merge() if key in tables)
+        quiet = sorted(key for key in pipeline.mergeable_tables() - set(lagging) if key in tables)
+        interval = pipeline.config.materialize.min_run_interval_seconds
+        quiet_interval = pipeline.config.quiet_interval()
+        merging = _merging(context, job.name, {key: mirror.key(tables[key], "iceberg") for key in [*lagging, *quiet]})
+        recent = _run_within(context, job.name, interval, lagging)
+        waiting = [key for key in lagging if key not in merging and key in recent]
+        ready = [key for key in lagging if key not in merging and key not in recent]
+        checked = _run_within(context, job.name, quiet_interval, quiet) if quiet_interval > 0 else set(quiet)
+        due = [key for key in quiet if key not in merging and key not in checked]
         if not ready and not due:
             return SkipReason(
                 f"lagging: {len(lagging)} tables; merging now: {len(merging)}; "
