@@ -295,8 +295,15 @@ def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: Sou
     ns = f"{source.name}_public"
     snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "items_snapshot"]))
     with instance_for_test() as instance:
-        # One tick registers the partitions and reports the chunks read, then the live table.
+        # One tick reports the chunks read, then the live table; the next registers their partitions
+        # (an automation tick reading the chunks before the first tick's events were stored would
+        # otherwise see them missing).
         planned = _plan_partitions(defs, instance, config_path)
+        assert not snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        assert not planned.dynamic_partitions_requests
+        assert evaluate_automation_conditions(defs=defs, instance=instance).get_num_requested(snapshot.key) == 0
+        registered = _plan_partitions(defs, instance, config_path)
+        assert not registered.asset_events, "reported once"
         keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert len(keys) > 1
         *chunks, live = planned.asset_events

@@ -1,9 +1,9 @@
 """Plans each table's CTID chunks (from its page count) and adds them as dynamic partitions; chunks that
 must be read again (their table started over in a new snapshot epoch, though Dagster shows them
 materialized) are requested as one ranged run, which skips the chunks already done. Chunks read by
-another process (the CLI ``snapshot``, ``run``) are reported materialized, so no run is launched only
-to find them done. Once a table's snapshot is complete, its live table is reported materialized (its
-data is complete)."""
+another process (the CLI ``snapshot``, ``run``) are reported materialized, a tick before their
+partitions are added, so no run is launched only to find them done. Once a table's snapshot is
+complete, its live table is reported materialized (its data is complete)."""
 
 from dagster import (
     AddDynamicPartitionsRequest,
@@ -49,8 +49,10 @@ def _done_elsewhere(
     """The chunks of the table's current epoch that are done but that Dagster does not show
     materialized (read by the CLI, by ``run``, or by a run that has not reported yet), as
     materializations of their partitions: automation then has nothing to launch for them. Reported
-    in the tick that adds the partitions (the daemon records the events first, and Dagster keeps
-    them for the partitions added after), so no automation tick sees them missing in between."""
+    a tick before their partitions are added (Dagster keeps the events for partitions added after):
+    an automation tick reads the materializations before the partitions, and over 200 tables it
+    read them before the daemon had stored the events of the tick that added the partitions, and
+    launched a run of every chunk."""
     return [
         AssetMaterialization(
             asset_key=mirror.key(table, "snapshot"),
@@ -134,15 +136,16 @@ def snapshot_planner_sensor(mirror: Mirror) -> SensorDefinition:
                 plan = pipeline.snapshot_plan(table.key)
                 partitions = mirror.partitions_def(table)
                 known = set(partitions.get_partition_keys(dynamic_partitions_store=context.instance))
-                new = [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known]
-                if new:
-                    requests.append(partitions.build_add_request(new))
                 materialized = context.instance.get_materialized_partitions(mirror.key(table, "snapshot"))
                 if run := _read_again(mirror, table, plan, materialized):
                     runs.append(run)
                 reported = _done_elsewhere(mirror, table, plan, materialized)
                 events += reported
-                materialized = materialized | {event.partition for event in reported if event.partition}
+                held = {event.partition for event in reported if event.partition}  # added next tick
+                materialized = materialized | held
+                new = [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known | held]
+                if new:
+                    requests.append(partitions.build_add_request(new))
                 if event := _live_table_complete(context, mirror, table, plan, materialized, pipeline):
                     events.append(event)
         if not requests and not runs and not events:
