@@ -148,7 +148,10 @@ def test_cuts_under_continuous_writes_read_every_table_at_one_transaction_bounda
     held: list[int] = []
     compared: list[int] = []  # rows read at each cut: txlog, orders and items
     with pipeline_running(runner) as run_errors, _in_thread(writer.run) as write_errors:
-        _wait_for_a_merge(runner)  # so that even the first cut holds transactions
+        # So that even the first cut holds transactions; read on the cutter's connections (the
+        # runner's state connection belongs to its loop's thread: a second thread interleaved
+        # its transactions, OutOfOrderTransactionNesting in CI).
+        _wait_for_a_merge(cutter)
         for name in names:
             writer.wait_for(10)
             cut = cutter.cut(name=name, group="sales")
