@@ -60,7 +60,15 @@ def _write_config(path: Path, config: PipelineConfig) -> Path:
 
 
 def _drop_slot(source: SourceDb, config: PipelineConfig) -> None:
-    source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
+    """Drop the slot once its walsender has let it go: a stream just closed leaves the slot active
+    until its backend exits (under load, past the drop: ObjectInUse in CI)."""
+    slot = config.replication.slot
+
+    def released() -> bool:
+        return not source.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))[0][0]
+
+    _wait(released, f"the walsender to release the slot {slot}", timeout=30.0)
+    source.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
