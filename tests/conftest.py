@@ -10,6 +10,7 @@ import contextlib
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,6 +151,15 @@ class SourceDb:
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             cursor = conn.execute(statement, params)
             return cursor.fetchall() if cursor.description else []
+
+    def drop_slot(self, slot: str) -> None:
+        """Drop the replication slot ``slot`` once its walsender has let it go: a stream just closed
+        leaves the slot active until its backend exits (under load, past a drop: ObjectInUse in CI)."""
+        deadline = time.monotonic() + 30.0
+        while self.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))[0][0]:
+            assert time.monotonic() < deadline, f"the walsender still holds the slot {slot} after 30 s"
+            time.sleep(0.1)
+        self.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
     def config(self, tables: list[dict[str, Any]] | list[str], **overrides: Any) -> PipelineConfig:
         specs = [t if isinstance(t, dict) else {"name": t} for t in tables]

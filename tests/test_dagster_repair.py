@@ -37,7 +37,7 @@ def test_slot_dropped_while_nothing_runs_is_repaired_by_the_sensor_and_flushing_
         assert isinstance(healthy, SkipReason) and "healthy" in (healthy.skip_message or "")
 
         # Nothing runs: the slot is dropped, and the source changes while no slot records it.
-        source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
+        source.drop_slot(config.replication.slot)
         source.execute("UPDATE public.t SET v = 'changed' WHERE id <= 50")
         source.execute("DELETE FROM public.t WHERE id BETWEEN 101 AND 120")
         source.execute("INSERT INTO public.t SELECT g, 'new' FROM generate_series(5001, 5030) g")

@@ -102,7 +102,7 @@ def test_slot_dropped_mid_snapshot_is_refused(source: SourceDb, monkeypatch: pyt
     config = source.config(["public.t"], snapshot={"chunk_pages": 8, "parallelism": 1})
 
     snapshot_crashing_at_chunk(monkeypatch, source.pipeline(config), 1)
-    source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
+    source.drop_slot(config.replication.slot)
     state = footprint(config)
     assert state["_pg2iceberg.tables"] and any(
         '"status":"done"' in row for row in state["_pg2iceberg.snapshot_progress"]

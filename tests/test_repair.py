@@ -59,18 +59,6 @@ def _write_config(path: Path, config: PipelineConfig) -> Path:
     return path
 
 
-def _drop_slot(source: SourceDb, config: PipelineConfig) -> None:
-    """Drop the slot once its walsender has let it go: a stream just closed leaves the slot active
-    until its backend exits (under load, past the drop: ObjectInUse in CI)."""
-    slot = config.replication.slot
-
-    def released() -> bool:
-        return not source.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))[0][0]
-
-    _wait(released, f"the walsender to release the slot {slot}", timeout=30.0)
-    source.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-
-
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -102,7 +90,7 @@ def test_lost_slot_is_repaired_by_run(source: SourceDb, caplog: pytest.LogCaptur
     # Never streamed, then the slot goes, then more changes.
     source.execute("UPDATE public.t SET v = 'lost' WHERE id BETWEEN 1000 AND 1024")
     first.close()
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("DELETE FROM public.t WHERE id BETWEEN 2000 AND 2009")
     source.execute("INSERT INTO public.t SELECT g, 'gone slot', g FROM generate_series(200001, 200015) g")
     source.execute("UPDATE public.t SET v = 'again' WHERE id <= 10")
@@ -253,7 +241,7 @@ def test_refuse_policy_names_the_repair_command(source: SourceDb, tmp_path: Path
     pipeline = source.pipeline(config)
     pipeline.snapshot()
     sync(pipeline)
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("UPDATE public.t SET v = 'x' WHERE id <= 3")
 
     refusing = source.pipeline(config)
@@ -298,7 +286,7 @@ def test_crash_mid_repair_then_rerun_is_exact(source: SourceDb, tmp_path: Path, 
     source.execute("UPDATE public.t SET v = 'staged' WHERE id <= 20; DELETE FROM public.u WHERE id <= 7")
     pipeline.stream(until_caught_up=True)
     pipeline.close()
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("UPDATE public.t SET v = 'dropped' WHERE id > 2990; INSERT INTO public.u VALUES (5000, 'n', 1)")
     path = _write_config(tmp_path / "p.yaml", config)
 
@@ -348,7 +336,7 @@ def test_slot_created_but_not_recorded_by_a_killed_repair_is_replaced(source: So
     pipeline = source.pipeline(config)
     pipeline.snapshot()
     sync(pipeline)
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("UPDATE public.t SET v = 'while gone' WHERE id <= 4")
     pipeline.store.request_resync(KEY, SLOT_LOST_REASON)
     source.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (config.replication.slot,))
@@ -394,7 +382,7 @@ def test_stream_repairs_a_lost_slot_at_startup(
     pipeline = source.pipeline(config)
     pipeline.snapshot()
     sync(pipeline)
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("DELETE FROM public.t WHERE id <= 3")
     path = _write_config(tmp_path / "p.yaml", config)
     capsys.readouterr()
@@ -426,7 +414,7 @@ def test_repair_keeps_a_partitioned_sorted_table(source: SourceDb) -> None:
     sync(pipeline)
     before = _iceberg(pipeline, "public.events")
     pipeline.close()
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("UPDATE public.events SET created_at = created_at + interval '10 days' WHERE id <= 5")
     source.execute("DELETE FROM public.events WHERE id BETWEEN 6 AND 8")
     rerun = source.pipeline(config)
@@ -491,7 +479,7 @@ def test_a_merge_on_read_table_is_repaired_with_position_deletes(source: SourceD
     pipeline.snapshot()
     sync(pipeline)
     before = {task.file.file_path for task in _iceberg(pipeline).scan().plan_files()}
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("UPDATE public.t SET v = 'changed' WHERE id % 100 = 0")  # 30 rows, spread over the files
     source.execute("DELETE FROM public.t WHERE id BETWEEN 1001 AND 1010")
     source.execute("INSERT INTO public.t SELECT g, 'new', g FROM generate_series(9001, 9005) g")
@@ -525,7 +513,7 @@ def test_changes_no_comparison_follows_made_while_the_slot_was_lost(source: Sour
     pipeline = source.pipeline(config)
     pipeline.snapshot()
     sync(pipeline)
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("TRUNCATE public.p_eu")
     source.execute("ALTER TABLE public.t ADD COLUMN twice int GENERATED ALWAYS AS (n * 2) STORED")
 
@@ -552,7 +540,7 @@ def test_repair_of_a_soft_deleting_table_replaces_the_marked_row_of_a_key_live_a
     source.execute("DELETE FROM public.t WHERE id IN (5, 6)")
     sync(first)
     first.close()
-    _drop_slot(source, config)
+    source.drop_slot(config.replication.slot)
     source.execute("INSERT INTO public.t VALUES (5, 'back', 5)")  # live again, while the slot is gone
     source.execute("UPDATE public.t SET v = 'changed' WHERE id = 7")
 

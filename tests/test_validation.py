@@ -98,7 +98,7 @@ def test_identity_and_slot_invariants(source: SourceDb) -> None:
     source.execute("SELECT pg_replication_slot_advance(%s, pg_current_wal_insert_lsn())", (config.replication.slot,))
     _refuses(source, config, "advanced outside pg2iceberg")
     # The slot is gone although the pipeline created it.
-    source.execute("SELECT pg_drop_replication_slot(%s)", (config.replication.slot,))
+    source.drop_slot(config.replication.slot)
     _refuses(source, config, "is gone but the pipeline created it")
     # DROP + recreate of a table.
     source.execute("DROP TABLE public.t; CREATE TABLE public.t (id int PRIMARY KEY, v text)")
