@@ -14,7 +14,7 @@ with the writes queued behind it, in a JVM still compiling its hot code) are beh
   in one long-lived Spark session; while no merge runs the flusher stages after
   ``flush.min_interval_seconds``). Target p99 <= 3 s.
 - ``dagster``: ``dagster dev`` in a child process on the same kind of pipeline (snapshot taken first
-  by the engine); the flusher sensor stages, the automation sensor launches merge runs, each run a new
+  by the engine); the flusher sensor stages, the merge sensor launches merge runs, each run a new
   process attached to the pipeline's warm Spark driver when its batch needs Spark (the first such run
   starts it). Target p99 <= 10 s; ``--min-run-interval 0`` for runs back to back.
 

@@ -598,11 +598,12 @@ def dagster_run_rows(report: Report, result: RunMeasurement, home: Path, p99: fl
     waits = [started - created for created, started, _, _ in runs]
     spans = [ended - started for _, started, ended, _ in runs]
     tables = [float(count) for *_, count in runs]
-    automation = automation_tick_seconds(result.log, result.window[0], result.stopped)
+    ticks = {name: sensor_tick_seconds(result.log, name, *result.window) for name in SENSORS}
     distribution(report, "dagster", "merge runs: created -> started (s)", waits)
     distribution(report, "dagster", "merge runs: started -> ended (s)", spans)
     distribution(report, "dagster", "merge runs: tables merged by one run", tables)
-    distribution(report, "dagster", "snapshot automation ticks (s)", automation)
+    for name, seconds in ticks.items():
+        distribution(report, "dagster", f"{name} sensor ticks (s)", seconds)
     if p99 <= TARGETS["dagster"] or not runs:
         return []
     return [
@@ -610,30 +611,32 @@ def dagster_run_rows(report: Report, result: RunMeasurement, home: Path, p99: fl
         f"at the median in a new process: queued {percentile(waits, 0.5):.1f} s and ran "
         f"{percentile(spans, 0.5):.1f} s at the median; a row waits for its flush tick, the merge sensor, a "
         f"run's start and its table's turn (staged -> seen p99 {percentile(result.staged_to_seen, 0.99):.1f} s); "
-        f"meanwhile Dagster's asset daemon evaluated the snapshot chunks' automation condition in ticks of "
-        f"{percentile(automation, 0.5):.0f} s at the median ({len(automation)} ticks, one after the other: "
-        "a core of the two, though every chunk was read)"
+        "the sensors' ticks in the window, median / max: "
+        + ", ".join(f"{name} {percentile(took, 0.5):.0f} / {max(took):.0f} s" for name, took in ticks.items() if took)
     ]
 
 
-AUTOMATION_LINE = re.compile(
-    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \+0000.*?(Checking \d+ assets/checks|Finished auto-materialization tick)"
-)
+# The mirror's sensors whose ticks bench.tables times from the daemon's log (the quickstart's mirror name).
+SENSORS = ("snapshot_planner", "merge", "flusher")
+TICK_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \+0000 - dagster\.daemon\.SensorDaemon - \w+ - (.*)")
 
 
-def automation_tick_seconds(log: Path, start: float, stop: float) -> list[float]:
-    """How long each tick of the asset daemon's automation took between ``start`` and ``stop`` (epoch
-    s), from ``dagster dev``'s log (one-second resolution)."""
-    seconds, began = [], None
-    for line in log.read_text(errors="replace").splitlines():
-        if not (match := AUTOMATION_LINE.search(line)):
+def sensor_tick_seconds(log: Path, sensor: str, start: float, stop: float) -> list[float]:
+    """How long each tick of the sensor ``pg2iceberg_<sensor>`` that began between ``start`` and
+    ``stop`` (epoch s) took, from ``dagster dev``'s log (one-second resolution): from the daemon's
+    "Checking for new runs" to the last line it logged for the sensor before its next tick."""
+    name = f"pg2iceberg_{sensor}"
+    seconds: list[float] = []
+    began = last = None
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")).splitlines():
+        if not (match := TICK_LINE.search(line)) or not re.search(rf"\b{name}\b", match.group(2)):
             continue
         at = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
-        if match.group(2).startswith("Checking"):
+        if match.group(2).startswith("Checking for new runs"):
+            if began is not None and last is not None and start <= began <= stop:
+                seconds.append(last - began)
             began = at
-        elif began is not None and start <= began <= stop:
-            seconds.append(at - began)
-            began = None
+        last = at
     return seconds
 
 

@@ -1,8 +1,6 @@
-"""The repository's code location, sensors: the installed integration's WAL flusher, CTID partition
-planning, snapshot automation, merges, resyncs, repairs and
-maintenance."""
+"""The repository's code location, sensors: the installed integration's WAL flusher, CTID chunk
+planning and their runs, merges, resyncs, repairs and maintenance."""
 
-from pg2iceberg_dagster.dagster_integration.sensors.automation import snapshot_automation_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.flusher import flusher_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.maintenance import maintenance_sensor
 from pg2iceberg_dagster.dagster_integration.sensors.merge import merge_sensor
@@ -16,6 +14,5 @@ __all__ = [
     "merge_sensor",
     "repair_sensor",
     "resync_sensor",
-    "snapshot_automation_sensor",
     "snapshot_planner_sensor",
 ]

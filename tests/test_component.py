@@ -52,7 +52,7 @@ def test_two_mirrors_load_side_by_side() -> None:
     Definitions.validate_loadable(defs)
     assert set(defs.resources or {}) == {"app", "app_spark", "billing", "billing_spark"}
     sensors = {sensor.name for sensor in defs.sensors or []}
-    for name in ("flusher", "snapshot_planner", "merge", "snapshot_automation", "resync", "maintenance", "repair"):
+    for name in ("flusher", "snapshot_planner", "merge", "resync", "maintenance", "repair"):
         assert {f"app_{name}", f"billing_{name}"} <= sensors
     assert {job.name for job in defs.jobs or []} == {
         f"{mirror}_{job}"

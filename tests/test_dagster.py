@@ -1,5 +1,6 @@
 """The Dagster layer against real PostgreSQL, Spark and Iceberg: definitions from the config, CTID
-snapshot partitions under one exported snapshot, the flusher sensor, lag automation, and checks."""
+snapshot partitions under one exported snapshot and the planner's runs of them, the flusher sensor,
+the merge sensor, and checks."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from dagster import (
     SensorResult,
     SkipReason,
     build_sensor_context,
-    evaluate_automation_conditions,
     instance_for_test,
     materialize,
 )
@@ -111,6 +111,15 @@ def _plan_partitions(defs: Definitions, instance: DagsterInstance, config_path: 
     return planned
 
 
+def _chunk_runs(planned: SensorResult) -> dict[AssetKey, tuple[str, str]]:
+    """The chunk runs a planner tick requests: each snapshot asset's partition range."""
+    runs = {}
+    for request in planned.run_requests or []:
+        (key,) = request.asset_selection or []
+        runs[key] = (request.tags[ASSET_PARTITION_RANGE_START_TAG], request.tags[ASSET_PARTITION_RANGE_END_TAG])
+    return runs
+
+
 def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None:
     source.execute(
         "CREATE TABLE public.orders (id int PRIMARY KEY); CREATE TABLE public.customers (id int PRIMARY KEY)"
@@ -129,8 +138,10 @@ def test_definitions_follow_the_config(source: SourceDb, tmp_path: Path) -> None
             AssetKey(["pg", "public", f"{table}_source"])
         }
         assert "iceberg" in live.kinds and live.automation_condition is None, "the merge sensor launches merges"
+        snapshot = specs[AssetKey(["iceberg", ns, f"{table}_snapshot"])]
+        assert snapshot.automation_condition is None, "the planner sensor launches the chunk runs"
         assert live.group_name == "pg2iceberg_public", "the mirror's group, not a bare schema name"
-    for name in ("pg2iceberg_merge", "pg2iceberg_snapshot_automation"):
+    for name in ("pg2iceberg_merge", "pg2iceberg_snapshot_planner"):
         assert defs.resolve_sensor_def(name).default_status == DefaultSensorStatus.RUNNING
     for sensor in defs.sensors or []:
         assert sensor.description, f"sensor {sensor.name} has no description"
@@ -187,14 +198,14 @@ def test_snapshot_partitions_stream_automation_and_checks(source: SourceDb, tmp_
         assert orders_event.metadata["lag"].value > 0
 
         # The merge sensor: orders lags and its snapshot is complete, so it merges; customers lags but
-        # is not snapshotted, so it does not merge, and its missing chunk is what automation takes.
+        # is not snapshotted, so it does not merge, and the planner requests one run of its chunks.
         request = _merge_requested(defs, instance, config_path)
         assert request is not None and request.asset_selection == [orders_live]
         assert request.tags[TABLES_RUN_TAG] == "public.orders" and request.tags[table_run_tag("public.orders")]
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
         customer_chunks = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
-        assert evaluation.get_num_requested(customers_snapshot.key) == len(customer_chunks)
-        assert evaluation.get_num_requested(orders_snapshot.key) == 0
+        assert _chunk_runs(_plan_partitions(defs, instance, config_path)) == {
+            customers_snapshot.key: (customer_chunks[0], customer_chunks[-1])
+        }
 
         # The merge runs as the named job on Spark and its checks pass.
         merged = _launch(defs, instance, request)
@@ -296,12 +307,12 @@ def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: Sou
     snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "items_snapshot"]))
     with instance_for_test() as instance:
         # One tick reports the chunks read, then the live table; the next registers their partitions
-        # (an automation tick reading the chunks before the first tick's events were stored would
-        # otherwise see them missing).
+        # (an automation condition of your own on the chunks, evaluated before the first tick's events
+        # were stored, would otherwise see them missing).
         planned = _plan_partitions(defs, instance, config_path)
         assert not snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert not planned.dynamic_partitions_requests
-        assert evaluate_automation_conditions(defs=defs, instance=instance).get_num_requested(snapshot.key) == 0
+        assert not planned.run_requests, "no run only to find the chunks done"
         registered = _plan_partitions(defs, instance, config_path)
         assert not registered.asset_events, "reported once"
         keys = snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
@@ -312,9 +323,46 @@ def test_chunks_read_by_the_cli_are_reported_and_then_the_live_table(source: Sou
         assert sum(e.metadata["rows_written"].value for e in chunks) == 2000
         assert all("CLI" in (e.description or "") and e.metadata["reported_by"].value for e in chunks)
         assert live.asset_key == AssetKey(["iceberg", ns, "items"]) and live.metadata["dagster/row_count"].value == 2000
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert evaluation.get_num_requested(snapshot.key) == 0, "nothing left for a chunk run"
+        assert not registered.run_requests, "nothing left for a chunk run"
         assert not isinstance(_tick(defs, "pg2iceberg_snapshot_planner", instance, config_path), SensorResult)
+
+
+def test_a_table_partly_read_outside_dagster_gets_one_run_of_the_rest(source: SourceDb, tmp_path: Path) -> None:
+    """Chunks read by another process, the rest not: the planner reports the read ones first, then
+    adds every partition in chunk order and requests one ranged run of the chunks not done, which
+    completes the snapshot; the live table then equals the source."""
+    source.execute("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.items SELECT g, 'v' || g FROM generate_series(1, 6000) g")
+    config_path = _write_config(source, tmp_path, ["public.items"])
+    outside = source.pipeline(source.config(["public.items"]))
+    chunks = [chunk.partition_key for chunk in outside.snapshot_plan("public.items").chunks]
+    assert len(chunks) > 3
+    assert outside.snapshot_chunks("public.items", chunks[1:3]).chunks_run == 2
+    defs = build_definitions(config_path)
+    snapshot = _assets_def(defs, AssetKey(["iceberg", f"{source.name}_public", "items_snapshot"]))
+    with instance_for_test() as instance:
+        reported = _plan_partitions(defs, instance, config_path)
+        assert [event.partition for event in reported.asset_events] == chunks[1:3]
+        assert not reported.dynamic_partitions_requests and not reported.run_requests
+        planned = _plan_partitions(defs, instance, config_path)
+        assert snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance) == chunks
+        assert _chunk_runs(planned) == {snapshot.key: (chunks[0], chunks[-1])}
+        (request,) = planned.run_requests
+        assert request.run_key and "epoch-0" in request.run_key
+        source.execute("UPDATE public.items SET v = 'during the snapshot' WHERE id <= 20")
+        ran = materialize([snapshot], instance=instance, tags=request.tags)
+        assert ran.success
+        materialization = ran.asset_materializations_for_node(snapshot.node_def.name)[0]
+        # The other process's exported snapshot ended with it: the run started the table over in a new
+        # epoch and read every chunk again under its own.
+        metadata = {name: value.value for name, value in materialization.metadata.items()}
+        assert metadata["snapshot_epoch"] == 1 and metadata["table_restarted"]
+        assert metadata["chunks_run"] == len(chunks) and metadata["rows_written"] == 6000
+        assert outside.store.table_state("public.items").snapshot_complete
+        assert not _chunk_runs(_plan_partitions(defs, instance, config_path)), "nothing left to read"
+    outside.stream(until_caught_up=True)
+    outside.materialize()
+    assert_mirrored(outside)
 
 
 def test_a_resync_requested_by_a_merge_is_launched_and_reported(source: SourceDb, tmp_path: Path) -> None:
@@ -532,7 +580,7 @@ def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload
     source: SourceDb, tmp_path: Path
 ) -> None:
     """After the first table is mirrored, a table added to the config shows up when the definitions
-    are loaded again: the planner registers its chunks, automation requests them, their runs snapshot
+    are loaded again: the planner registers its chunks and requests their run, their runs snapshot
     it in a new epoch (the owned publication gains it first), and its merge makes it equal the source."""
     for name in ("orders", "customers"):
         source.execute(f"CREATE TABLE public.{name} (id int PRIMARY KEY, v text)")
@@ -551,10 +599,9 @@ def test_a_table_added_to_the_config_is_planned_snapshotted_and_merged_on_reload
         _write_config(source, tmp_path, ["public.orders", "public.customers"])
         defs = build_definitions(config_path)  # what a code location reload does
         customers_snapshot = _assets_def(defs, AssetKey(["iceberg", ns, "customers_snapshot"]))
-        _plan_partitions(defs, instance, config_path)
+        planned = _plan_partitions(defs, instance, config_path)
         keys = customers_snapshot.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance)
-        assert evaluation.get_num_requested(customers_snapshot.key) == len(keys) > 1
+        assert len(keys) > 1 and _chunk_runs(planned) == {customers_snapshot.key: (keys[0], keys[-1])}
         source.execute("UPDATE public.customers SET v = 'during the snapshot' WHERE id BETWEEN 5 AND 15")
         tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
         result = materialize([customers_snapshot], instance=instance, tags=tags)

@@ -145,8 +145,8 @@ def test_killed_snapshot_run_merge_run_and_flusher_tick_converge(source: SourceD
 def test_chunk_runs_killed_and_holder_lost_under_busy_writes_converge(source: SourceDb, tmp_path: Path) -> None:
     """Busy writes throughout. Two chunk runs at once: one is SIGKILLed after its Iceberg commit while
     the other goes on under the same exported snapshot. Then the holder's sessions die: the next chunk
-    run starts the table again in a new epoch, the planner sensor takes back the materializations of
-    chunks done in the lost one, and running the chunk partitions again converges."""
+    run starts the table again in a new epoch, the planner sensor requests one run of every chunk not
+    done in it (those Dagster shows materialized from the lost one included), and it converges."""
     setup = BusyTable(source.conninfo, 21, 30_000)
     setup.create()
     setup.close()
@@ -196,12 +196,14 @@ def test_chunk_runs_killed_and_holder_lost_under_busy_writes_converge(source: So
         chunks = source.pipeline(config).store.chunks("public.busy")
         assert [c.index for c in chunks if c.done] == [3] and chunks[3].epoch == 1
 
-        # The planner asks for chunks 1 and 2 again (Dagster shows them materialized), as one ranged run.
+        # The planner asks for every chunk but 3 (1 and 2 too, though Dagster shows them materialized),
+        # as one ranged run of the new epoch.
         with DagsterInstance.from_config(str(home)) as instance:
             planned = _planner_tick(deployment.defs, instance, config_path)
-        assert len(planned.run_requests) == 1
-        tags = planned.run_requests[0].tags
-        assert (tags[ASSET_PARTITION_RANGE_START_TAG], tags[ASSET_PARTITION_RANGE_END_TAG]) == (keys[1], keys[2])
+        (request,) = planned.run_requests
+        tags = request.tags
+        assert (tags[ASSET_PARTITION_RANGE_START_TAG], tags[ASSET_PARTITION_RANGE_END_TAG]) == (keys[0], keys[-1])
+        assert request.run_key and "epoch-1" in request.run_key
         ran = _dagster(
             ["asset", "materialize", "--select", select, "--partition-range", f"{keys[0]}...{keys[-1]}"],
             str(config_path),

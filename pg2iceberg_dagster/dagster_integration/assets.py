@@ -33,7 +33,6 @@ from pg2iceberg_dagster.pipeline import (
     compaction_due,
 )
 
-from .automation import snapshot_condition
 from .mirror import Mirror
 from .translator import HISTORY
 
@@ -58,7 +57,7 @@ def snapshot_asset(mirror: Mirror, table: TableConfig) -> AssetsDefinition:
     """The table's snapshot, one partition per CTID chunk; a run of a range of chunks reads them under
     one exported snapshot."""
     spec = mirror.spec(table, "snapshot")
-    spec = spec.replace_attributes(automation_condition=spec.automation_condition or snapshot_condition())
+    # No automation condition: the planner sensor requests the chunk runs.
 
     @multi_asset(
         name=spec.key.to_python_identifier(),

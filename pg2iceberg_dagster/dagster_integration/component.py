@@ -130,7 +130,7 @@ class Pg2IcebergComponent(StateBackedComponent, Resolvable):
     """Mirrors PostgreSQL tables into Apache Iceberg (one pipeline config, one source database).
 
     Per table: a source, a staged log, a CTID-chunk partitioned snapshot and the live Iceberg table
-    (merged by Spark, with checks); plus the flusher, planner, automation, resync and maintenance
+    (merged by Spark, with checks); plus the flusher, planner, merge, resync, maintenance and repair
     sensors and jobs.
 
     Loading connects to nothing. The tables a ``{schema: ...}`` entry selects are the component's

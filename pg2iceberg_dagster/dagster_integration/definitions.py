@@ -22,7 +22,6 @@ from .jobs.repair import repair_job
 from .jobs.resync import resync_job
 from .mirror import DEFAULT_NAME, Mirror
 from .resources import Pg2IcebergResource, SparkResource
-from .sensors.automation import snapshot_automation_sensor
 from .sensors.flusher import flusher_sensor
 from .sensors.maintenance import maintenance_sensor
 from .sensors.merge import merge_sensor
@@ -69,7 +68,6 @@ def mirror_definitions(mirror: Mirror, pg2iceberg: Pg2IcebergResource) -> Defini
             flusher_sensor(mirror),
             snapshot_planner_sensor(mirror),
             merge_sensor(mirror, merge),
-            snapshot_automation_sensor(mirror),
             resync_sensor(mirror, resync),
             maintenance_sensor(mirror, maintenance),
             repair_sensor(mirror, repair),

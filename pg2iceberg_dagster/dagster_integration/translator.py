@@ -165,8 +165,9 @@ class TableAsset:
 class Pg2IcebergTranslator:
     """Subclass and override to change how tables appear in Dagster: :meth:`get_asset_spec` returns
     the whole ``AssetSpec`` of each of a table's four assets (override it, or the narrower methods it
-    is built from). The mirror's own settings (partitions, automation of the merges, pools, checks)
-    are added to what it returns; an ``automation_condition`` it sets replaces the default one.
+    is built from). The mirror's own settings (partitions, pools, checks) are added to what it
+    returns. Its sensors launch the snapshot and merge runs: an ``automation_condition`` it sets is
+    left to your own automation sensor.
 
     Names are the schema and table names with every character outside ``[A-Za-z0-9_]`` replaced by
     ``_``. Where that would give two tables the same asset key, op or partitions name, the tables

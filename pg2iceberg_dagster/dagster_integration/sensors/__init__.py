@@ -1,7 +1,6 @@
-"""The mirror's sensors: the WAL flusher, CTID partition planning, snapshot automation, merges,
+"""The mirror's sensors: the WAL flusher, CTID chunk planning and their runs, merges,
 resyncs, repairs, maintenance."""
 
-from .automation import snapshot_automation_sensor
 from .flusher import flusher_sensor
 from .maintenance import maintenance_sensor
 from .merge import merge_sensor
@@ -15,6 +14,5 @@ __all__ = [
     "merge_sensor",
     "repair_sensor",
     "resync_sensor",
-    "snapshot_automation_sensor",
     "snapshot_planner_sensor",
 ]
