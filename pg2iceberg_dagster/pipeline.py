@@ -229,10 +229,16 @@ class Pipeline:
 
     def snapshot_plan(self, table_key: str) -> SnapshotPlan:
         """The table's chunk plan (planned and stored on first call) and its snapshot epoch."""
-        report = self.validate()
-        chunks = self.store.chunks(table_key) or self.snapshot_runner().plan(report.tables[table_key])
+        self.store.migrate()
+        chunks = self.store.chunks(table_key) or self.snapshot_runner().plan(self.validate().tables[table_key])
         state = self.store.table_state(table_key)
         return SnapshotPlan(chunks, state.snapshot_epoch if state else None, bool(state and state.snapshot_complete))
+
+    def completed_snapshots(self) -> dict[str, int | None]:
+        """The tables whose snapshot is complete, with its epoch (one query)."""
+        self.store.migrate()
+        states = self.store.table_states()
+        return {key: state.snapshot_epoch for key, state in states.items() if state.snapshot_complete}
 
     def snapshot_chunks(self, table_key: str, partition_keys: list[str]) -> TableSnapshotResult:
         """Read the chunks named by ``partition_keys`` under the holder's exported snapshot."""

@@ -4,6 +4,7 @@ the merge sensor, and checks."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -360,6 +361,22 @@ def test_a_table_partly_read_outside_dagster_gets_one_run_of_the_rest(source: So
         assert metadata["chunks_run"] == len(chunks) and metadata["rows_written"] == 6000
         assert outside.store.table_state("public.items").snapshot_complete
         assert not _chunk_runs(_plan_partitions(defs, instance, config_path)), "nothing left to read"
+        # Settled: the cursor keeps it, and later ticks query nothing of it, until it starts over.
+        planner = defs.resolve_sensor_def("pg2iceberg_snapshot_planner")
+        with build_sensor_context(instance=instance, resources=_resources(config_path)) as context:
+            assert isinstance(planner(context), SkipReason)
+            cursor = context.cursor
+        assert json.loads(cursor or "{}") == {"public.items": 1}
+        outside.store.conn.execute("UPDATE _pg2iceberg.tables SET snapshot_complete = false")
+        outside.store.restart_table_snapshot("public.items", 1)
+        with build_sensor_context(instance=instance, resources=_resources(config_path), cursor=cursor) as context:
+            started_over = planner(context)
+        assert isinstance(started_over, SensorResult)
+        assert _chunk_runs(started_over) == {snapshot.key: (chunks[0], chunks[-1])}
+        assert "epoch-1" in (started_over.run_requests[0].run_key or "")
+        assert json.loads(context.cursor or "{}") == {}
+        ran = materialize([snapshot], instance=instance, tags=started_over.run_requests[0].tags)
+        assert ran.success and outside.store.table_state("public.items").snapshot_complete
     outside.stream(until_caught_up=True)
     outside.materialize()
     assert_mirrored(outside)
