@@ -165,8 +165,9 @@ def snapshot_planner_sensor(mirror: Mirror) -> SensorDefinition:
                 reported = _done_elsewhere(mirror, table, plan, materialized)
                 events += reported
                 materialized |= {event.partition for event in reported if event.partition}
-                if not reported:  # else its partitions and runs come next tick, once these are stored
-                    if new := [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known]:
+                new = [chunk.partition_key for chunk in plan.chunks if chunk.partition_key not in known]
+                if not (reported and new):  # else its partitions and run come next tick, once these are stored
+                    if new:
                         requests.append(partitions.build_add_request(new))
                     if run := _chunks_to_read(mirror, table, plan, in_flight):
                         runs.append(run)
