@@ -3,7 +3,14 @@ table takes no commit of its own before its rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.schema import Schema
+from pyiceberg.types import IntegerType, NestedField, StringType
 
 from pg2iceberg_dagster.iceberg.evolution import SOURCE_FILE_NODE
 from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
@@ -69,3 +76,44 @@ def test_crash_entering_a_later_table_resumes(source: SourceDb, monkeypatch: pyt
     table = second.catalog.load_table(second.tables["public.t1"].iceberg)
     (file_node,) = source.execute("SELECT relfilenode FROM pg_class WHERE oid = 'public.t1'::regclass")[0]
     assert table.properties[SOURCE_FILE_NODE] == str(file_node)
+
+
+@pytest.mark.parametrize("looks_before_the_race", [0, 1], ids=["before-the-creation", "within-the-creation"])
+def test_new_tables_go_where_their_namespace_says(
+    source: SourceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looks_before_the_race: int
+) -> None:
+    """A namespace a team created with a location of its own keeps the mirror's new tables under it,
+    as the catalog's own table creation places them (the namespace is looked up once for all of
+    them). A table another process creates after the snapshot looked for it, before its creation
+    or within it (between the creation's own look and its insert), is the one the snapshot fills."""
+    keys = _tables(source)[:3]
+    pipeline = source.pipeline(source.config(keys))
+    namespace = pipeline.tables[keys[0]].iceberg[0]
+    location = (tmp_path / "team_area").as_uri()
+    pipeline.catalog.create_namespace(namespace, {"location": location})
+    raced = pipeline.tables[keys[2]].iceberg
+    load_table, plan = SqlCatalog.load_table, SnapshotRunner.plan
+    looks: list[int] = []  # while the raced table is planned (created): the catalog's looks for it so far
+
+    def planned(runner: SnapshotRunner, table: Any, *args: Any, **kwargs: Any) -> Any:
+        looks[:] = [0] if table.key == keys[2] else []
+        return plan(runner, table, *args, **kwargs)
+
+    def created_meanwhile(catalog: SqlCatalog, identifier: Any) -> Any:
+        if looks and tuple(identifier) == raced and looks[0] == looks_before_the_race:
+            looks.clear()
+            columns = Schema(NestedField(1, "id", IntegerType(), required=True), NestedField(2, "v", StringType()))
+            source.pipeline(source.config(keys)).catalog.create_table(raced, columns)
+            raise NoSuchTableError(f"{raced} (created by another process right after this look)")
+        if looks and tuple(identifier) == raced:
+            looks[0] += 1
+        return load_table(catalog, identifier)
+
+    monkeypatch.setattr(SqlCatalog, "load_table", created_meanwhile)
+    monkeypatch.setattr(SnapshotRunner, "plan", planned)
+    results = pipeline.snapshot()
+    assert all(result.complete for result in results.values()), results
+    assert_mirrored(pipeline)
+    for key in keys:
+        identifier = pipeline.tables[key].iceberg
+        assert pipeline.catalog.load_table(identifier).location() == f"{location}/{identifier[1]}", key

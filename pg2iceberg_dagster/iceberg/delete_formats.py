@@ -18,9 +18,10 @@ Which engine reads which format is measured here for pyiceberg, Spark, DuckDB an
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pyiceberg.table import Table
+if TYPE_CHECKING:  # the config imports this module: a process that only reads its config skips pyiceberg
+    from pyiceberg.table import Table
 
 DeleteFormat = Literal["copy-on-write", "merge-on-read", "deletion-vectors"]
 COPY_ON_WRITE: DeleteFormat = "copy-on-write"

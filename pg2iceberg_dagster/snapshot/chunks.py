@@ -184,14 +184,20 @@ def epoch_properties(files: SourceFiles) -> dict[str, str]:
     return {**no_pending_fills(), **source_files_properties(files)}
 
 
-def empty_for_epoch(table: Table, epoch: int, files: SourceFiles) -> None:
+def empty_for_epoch(table: Table, epoch: int, files: SourceFiles, current: bool = False) -> None:
     """Delete every row of ``table`` before its snapshot starts (again) in ``epoch``, whose snapshot
     sees the source's ``files``. Defaults of added columns pending for the deleted rows go with
     them: every row is read again with its columns. A table already empty with the
-    :func:`epoch_properties` (created so for this epoch) takes no commit."""
+    :func:`epoch_properties` (created so for this epoch) takes no commit. ``current``: ``table`` is
+    as the catalog holds it (no writer can have committed since it was loaded), so the first
+    attempt does not reload it."""
+    reload = not current
 
     def commit() -> None:
-        table.refresh()
+        nonlocal reload
+        if reload:
+            table.refresh()
+        reload = True  # a retry follows another writer's commit
         properties = epoch_properties(files)
         if table.current_snapshot() is None and all(table.properties.get(k) == v for k, v in properties.items()):
             return

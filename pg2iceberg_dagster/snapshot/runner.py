@@ -213,7 +213,9 @@ class SnapshotRunner:
                 )
             if state.snapshot_epoch != epoch:
                 restarted = state.snapshot_epoch is not None or any(c.done for c in self.store.chunks(table.key))
-                empty_for_epoch(iceberg, epoch, files)
+                # Until a table enters an epoch nothing commits to it (chunks wait for the epoch,
+                # merges for the snapshot): as planned above, it is current.
+                empty_for_epoch(iceberg, epoch, files, current=not restarted)
                 self.store.restart_table_snapshot(table.key, epoch)
             committed = committed_chunk_markers(iceberg, epoch)
             for chunk in self.store.chunks(table.key):
