@@ -243,7 +243,7 @@ def new_table_location(config: PipelineConfig, identifier: tuple[str, str]) -> s
 
 
 # Each SQL catalog's namespaces as first read (see _create_sql_table): a snapshot of 200 new tables
-# in one namespace looked the namespace up 400 times, two catalog queries each.
+# in one namespace looked the namespace up twice per table.
 _NAMESPACE_PROPERTIES: weakref.WeakKeyDictionary[Catalog, dict[str, Mapping[str, str]]] = weakref.WeakKeyDictionary()
 
 
@@ -258,7 +258,8 @@ def _create_sql_table(
 ) -> Table:
     """Create a table in the SQL catalog in one commit (its metadata written, its row inserted), or
     load it when another process created it first. pyiceberg's ``create_table`` looks the namespace
-    up twice more and reads the new table back: three quarters of a new table's catalog queries.
+    up twice (to check it, for its default location) and reads the new table back: most of a new
+    table's catalog queries.
     The namespace is looked up once per catalog object (pyiceberg's NoSuchNamespaceError when it
     does not exist, not remembered); the location is the one ``create_table`` gives."""
     namespace, name = identifier
