@@ -1,7 +1,8 @@
 """Many tables on one slot: snapshot of them all, then ``run`` under writes spread over every table.
 
     .venv/bin/python -m bench.tables [--tables 200] [--rate 200] [--seconds 120] [--drain 900]
-                                     [--modes run[,dagster]] [--snapshot-only] [--profile FILE]
+                                     [--modes run[,dagster]] [--check-interval SECONDS]
+                                     [--snapshot-only] [--profile FILE]
                                      [--json FILE] [--dir DIR]
 
 Starts its own PostgreSQL with ``--tables`` tables of mixed sizes (about 1.5% of 100-200k rows, 10%
@@ -737,11 +738,24 @@ def main() -> None:
     parser.add_argument("--modes", default="run", help="run, dagster or both (run,dagster)")
     parser.add_argument("--snapshot-only", action="store_true", help="measure the snapshot step alone")
     parser.add_argument("--profile", type=Path, help="run the snapshot child under cProfile, its stats to this file")
+    parser.add_argument(
+        "--check-interval",
+        type=float,
+        default=0.0,
+        help="checks.min_interval_seconds (Dagster: a lagging table's checks join its merge runs this often; "
+        "default 0, the pipeline's default: every run)",
+    )
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.snapshot_only:
         modes = modes[:1]
-    parameters = {"tables": args.tables, "rate": args.rate, "seconds": args.seconds, "poll_seconds": POLL_SECONDS}
+    parameters = {
+        "tables": args.tables,
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "poll_seconds": POLL_SECONDS,
+        "check_interval_seconds": args.check_interval,
+    }
     columns = ["mode", "what", "count", "seconds", "per_s", "p50_s", "p99_s", "max_s", "peak_rss_mib", "last_rss_mib"]
     report = Report("tables", parameters | {"modes": modes}, columns)
     why: list[str] = []
@@ -753,7 +767,8 @@ def main() -> None:
         for index, mode in enumerate(modes):
             if index:
                 restore_tables(pg, tables)
-            config, path = mode_config(pg, root, [t.key for t in tables], "tables", mode)
+            sections = {"checks": {"min_interval_seconds": args.check_interval}} if args.check_interval else {}
+            config, path = mode_config(pg, root, [t.key for t in tables], "tables", mode, **sections)
             if index == 0:
                 why += snapshot_rows(report, pg, path, config, log, tables, pages, args.profile)
                 if args.snapshot_only:  # no writes since: the tables as snapshotted equal the source's

@@ -543,6 +543,11 @@ class ChecksConfig(_Strict):
     # its checks say how it is now rather than never running, and its freshness policy sees it current
     # (0: only when it lags). Default: half the freshness warn window, else 600 s.
     quiet_interval_seconds: float | None = Field(None, ge=0)
+    # A lagging table's checks join its merge run when they last ran at least this long ago (0: every
+    # merge run). Dagster stores an event for every check a run plans before it queues the run: four
+    # of a table's five at its creation. Hundreds of tables merging at once create runs faster with
+    # their checks every few minutes instead of after each merge.
+    min_interval_seconds: float = Field(0.0, ge=0)
 
 
 class MaintenanceConfig(_Strict):

@@ -34,8 +34,8 @@ from dagster._core.events import DagsterEvent, StepMaterializationData
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from pg2iceberg_dagster.dagster_integration import Pg2IcebergResource, SparkResource, build_definitions
-from pg2iceberg_dagster.dagster_integration.assets import MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
-from pg2iceberg_dagster.dagster_integration.mirror import MIRROR_RUN_TAG, TABLES_RUN_TAG, table_run_tag
+from pg2iceberg_dagster.dagster_integration.assets import FILES_COMPACT, MATCHES_SOURCE, PK_UNIQUE, SCHEMA_MATCHES
+from pg2iceberg_dagster.dagster_integration.mirror import CHECKED_RUN_TAG, MIRROR_RUN_TAG, TABLES_RUN_TAG, table_run_tag
 from pg2iceberg_dagster.dagster_integration.sensors import merge as merge_sensors
 from pg2iceberg_dagster.snapshot.holder import holder_lock_key
 
@@ -78,13 +78,15 @@ def _merge_requested(defs: Definitions, instance: DagsterInstance, config_path: 
 def _launch(
     defs: Definitions, instance: DagsterInstance, request: RunRequest, job: str = MERGE_JOB, **kwargs: Any
 ) -> Any:
-    """Run what a sensor requested of ``job`` (its selection, config and tags), as the daemon would."""
-    return defs.resolve_job_def(job).execute_in_process(
-        instance=instance,
-        asset_selection=list(request.asset_selection) if request.asset_selection else None,
-        run_config=request.run_config,
-        tags=request.tags,
-        **kwargs,
+    """Run what a sensor requested of ``job`` (its assets and checks, config and tags), as the daemon would."""
+    job_def = defs.resolve_job_def(job)
+    assets = list(request.asset_selection) if request.asset_selection else None
+    if request.asset_check_keys is not None:  # subset here: execute_in_process's selection takes every check
+        checks = set(request.asset_check_keys)
+        job_def = job_def.get_subset(asset_selection=set(assets or ()), asset_check_selection=checks)
+        assets = None
+    return job_def.execute_in_process(
+        instance=instance, asset_selection=assets, run_config=request.run_config, tags=request.tags, **kwargs
     )
 
 
@@ -451,6 +453,36 @@ def test_a_quiet_table_is_merged_and_checked_every_quiet_interval(source: Source
         assert materialized[keys["quiet"]].metadata["changes_applied"].value == 0
 
         assert _merge_requested(defs, instance, config_path) is None, "checked within the interval: left alone"
+
+
+def test_a_lagging_tables_checks_join_its_merge_runs_every_min_interval(source: SourceDb, tmp_path: Path) -> None:
+    """With ``checks.min_interval_seconds``, a lagging table's merge run runs its checks when they never
+    ran or last ran longer ago than that; the runs in between merge it without them (no check planned,
+    none evaluated), and its rows still equal the source's."""
+    source.execute("CREATE TABLE public.busy (id int PRIMARY KEY, v text)")
+    source.execute("INSERT INTO public.busy SELECT g, 'v' || g FROM generate_series(1, 200) g")
+    busy = AssetKey(["iceberg", f"{source.name}_public", "busy"])
+    pipeline = source.pipeline(source.config(["public.busy"]))
+    pipeline.snapshot()
+    sections = {"materialize": {"min_run_interval_seconds": 0}, "checks": {"min_interval_seconds": 3600}}
+    config_path = _write_config(source, tmp_path, ["public.busy"], **sections)
+    defs = build_definitions(config_path)
+    with instance_for_test() as instance:
+        checked = []
+        for round_ in range(3):
+            source.execute("UPDATE public.busy SET v = v || '+' WHERE id = %s", (round_ + 1,))
+            pipeline.stream(until_caught_up=True)
+            request = _merge_requested(defs, instance, config_path)
+            assert request is not None and request.asset_selection == [busy]
+            result = _launch(defs, instance, request)
+            assert result.success
+            assert [e.asset_key for e in result.get_asset_materialization_events()] == [busy]
+            evaluations = result.get_asset_check_evaluations()
+            assert all(e.passed for e in evaluations)
+            checked.append(({e.check_name for e in evaluations}, request.tags[CHECKED_RUN_TAG]))
+        every = {PK_UNIQUE, MATCHES_SOURCE, SCHEMA_MATCHES, FILES_COMPACT}
+        assert checked == [(every, "public.busy"), (set(), ""), (set(), "")], "checked once within the hour"
+    assert_mirrored(pipeline)
 
 
 def test_merge_runs_skip_tables_in_flight_and_honour_the_minimum_interval(source: SourceDb, tmp_path: Path) -> None:

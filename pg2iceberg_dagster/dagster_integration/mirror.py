@@ -20,7 +20,15 @@ from pg2iceberg_dagster.errors import ConfigError
 from .resources import Pg2IcebergResource, SparkResource
 from .translator import DEFAULT_NAME, HISTORY, ROLES, Pg2IcebergTranslator
 
-__all__ = ["DEFAULT_NAME", "MIRROR_RUN_TAG", "MIRROR_TAG", "TABLES_RUN_TAG", "Mirror", "table_run_tag"]
+__all__ = [
+    "CHECKED_RUN_TAG",
+    "DEFAULT_NAME",
+    "MIRROR_RUN_TAG",
+    "MIRROR_TAG",
+    "TABLES_RUN_TAG",
+    "Mirror",
+    "table_run_tag",
+]
 # Every asset of every mirror carries this tag (no value), so a team's own automation sensor can leave
 # the mirrors' assets to their own sensors: ``AssetSelection.all() - AssetSelection.tag(MIRROR_TAG, "")``.
 MIRROR_TAG = "pg2iceberg"
@@ -29,6 +37,8 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # (to read), and per table a tag of its own (to filter on: a run of several tables has one per table).
 MIRROR_RUN_TAG = "pg2iceberg/mirror"
 TABLES_RUN_TAG = "pg2iceberg/tables"
+# A merge run's tables whose checks it runs, as a comma list (see checks.min_interval_seconds).
+CHECKED_RUN_TAG = "pg2iceberg/checked"
 TABLE_RUN_TAG_PREFIX = "pg2iceberg/table."
 # Dagster tag keys: an optional namespace and a name of at most 63 of [A-Za-z0-9_.-] each.
 _TAG_NAME_MAX = 63

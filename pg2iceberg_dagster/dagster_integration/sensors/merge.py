@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from dagster import (
     AssetKey,
     DagsterEventType,
+    DagsterRun,
     DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
@@ -33,7 +34,7 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 from pg2iceberg_dagster.pipeline import Pipeline
 
 from ..assets import live_check_keys
-from ..mirror import Mirror, table_run_tag
+from ..mirror import CHECKED_RUN_TAG, Mirror, table_run_tag
 from ..resources import Pg2IcebergResource
 from .base import UNFINISHED, mirror_sensor
 
@@ -72,12 +73,29 @@ def _merged_by(context: SensorEvaluationContext, run_id: str, tables: Mapping[As
 
 def _run_within(context: SensorEvaluationContext, job_name: str, seconds: float, live: Iterable[str]) -> set[str]:
     """Which of the tables ``live`` had a run of ``job_name`` created in the last ``seconds`` (one query)."""
+    tags = {table_run_tag(key): key for key in live}
+    return {tags[tag] for run in _runs_within(context, job_name, seconds) for tag in run.tags if tag in tags}
+
+
+def _checked_within(context: SensorEvaluationContext, job_name: str, seconds: float, live: Iterable[str]) -> set[str]:
+    """Which of the tables ``live`` had their checks in a run of ``job_name`` created in the last
+    ``seconds`` (one query)."""
+    checked = {key for run in _runs_within(context, job_name, seconds) for key in _checked_by(run)}
+    return checked & set(live)
+
+
+def _checked_by(run: DagsterRun) -> list[str]:
+    """The tables whose checks a merge run runs."""
+    return [key for key in run.tags.get(CHECKED_RUN_TAG, "").split(",") if key]
+
+
+def _runs_within(context: SensorEvaluationContext, job_name: str, seconds: float) -> list[DagsterRun]:
+    """The runs of ``job_name`` created in the last ``seconds`` (none for 0)."""
     if seconds <= 0:
-        return set()
+        return []
     since = datetime.fromtimestamp(time.time() - seconds, UTC)
     records = context.instance.get_run_records(filters=RunsFilter(job_name=job_name, created_after=since))
-    tags = {table_run_tag(key): key for key in live}
-    return {tags[tag] for record in records for tag in record.dagster_run.tags if tag in tags}
+    return [record.dagster_run for record in records]
 
 
 def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDefinition:
@@ -114,7 +132,7 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
         recent = _run_within(context, job.name, interval, lagging)
         waiting = [key for key in lagging if key not in merging and key in recent]
         ready = [key for key in lagging if key not in merging and key not in recent]
-        checked = _run_within(context, job.name, quiet_interval, quiet) if quiet_interval > 0 else set(quiet)
+        checked = _checked_within(context, job.name, quiet_interval, quiet) if quiet_interval > 0 else set(quiet)
         due = [key for key in quiet if key not in merging and key not in checked]
         if not ready and not due:
             return SkipReason(
@@ -122,14 +140,18 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
                 f"merged less than {interval:g} s ago: {len(waiting)}; quiet and checked within "
                 f"{quiet_interval:g} s: {len(quiet) - len(due)}"
             )
+        # A quiet table joins for its checks; a lagging one's join when they are due.
+        lately = _checked_within(context, job.name, pipeline.config.checks.min_interval_seconds, ready)
+        checking = sorted([*(key for key in ready if key not in lately), *due])
         ready += due
-        keys = [mirror.key(tables[key], "iceberg") for key in ready]
         return SensorResult(
             run_requests=[
                 RunRequest(
                     asset_selection=[written for key in ready for written in mirror.merged_keys(tables[key])],
-                    asset_check_keys=[check for key in keys for check in live_check_keys(key)],
-                    tags=mirror.run_tags(ready),
+                    asset_check_keys=[
+                        check for key in checking for check in live_check_keys(mirror.key(tables[key], "iceberg"))
+                    ],
+                    tags={**mirror.run_tags(ready), CHECKED_RUN_TAG: ",".join(checking)},
                 )
             ]
         )
