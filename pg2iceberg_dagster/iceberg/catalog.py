@@ -9,6 +9,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
+
+# Imported here, not by load_catalog on its first use: sqlalchemy.orm imported for the first time in
+# one thread while another runs a SQLAlchemy query fails that query ("partially initialized module
+# 'sqlalchemy.orm.exc'"), and Dagster evaluates the mirror's sensors in threads (seen on a first tick).
+from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import (
     CommitFailedException,
     NamespaceAlreadyExistsError,
@@ -173,7 +178,7 @@ def _load_or_create(
     spec, sort_order = initial_layout(schema, mirrored.config, source.columns)
 
     def create() -> Table:
-        if config.iceberg.catalog.type == "sql":
+        if isinstance(catalog, SqlCatalog):
             return _create_sql_table(catalog, config, identifier, schema, spec, sort_order, properties)
         return catalog.create_table_if_not_exists(
             identifier,
@@ -248,7 +253,7 @@ _NAMESPACE_PROPERTIES: weakref.WeakKeyDictionary[Catalog, dict[str, Mapping[str,
 
 
 def _create_sql_table(
-    catalog: Catalog,
+    catalog: SqlCatalog,
     config: PipelineConfig,
     identifier: tuple[str, str],
     schema: Schema,
