@@ -151,7 +151,7 @@ def merge_sensor(mirror: Mirror, job: UnresolvedAssetJobDefinition) -> SensorDef
                     asset_check_keys=[
                         check for key in checking for check in live_check_keys(mirror.key(tables[key], "iceberg"))
                     ],
-                    tags={**mirror.run_tags(ready), CHECKED_RUN_TAG: ",".join(checking)},
+                    tags={**mirror.run_tags(ready), **({CHECKED_RUN_TAG: ",".join(checking)} if checking else {})},
                 )
             ]
         )
