@@ -12,7 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from pg2iceberg_dagster.config import FlushConfig, StagingConfig
-from pg2iceberg_dagster.flusher.batch import RelationInfo, encode_segment, row_changes, truncate_marker, xlog_data
+from pg2iceberg_dagster.flusher.batch import (
+    BULK_FROM_ROWS,
+    RelationInfo,
+    encode_segment,
+    row_changes,
+    truncate_marker,
+    xlog_data,
+)
 from pg2iceberg_dagster.flusher.window import RelationLog, StagedWriter
 from pg2iceberg_dagster.source import pgoutput
 from pg2iceberg_dagster.source.catalog import PgType, SourceColumn, SourceTable
@@ -77,15 +84,20 @@ def _expected(messages: list[bytes], lsns: list[int], ts: list[int], xids: list[
     return out
 
 
+# Every file in bulk, and as the flusher stages: files of fewer than BULK_FROM_ROWS rows row by row.
+PATHS = pytest.mark.parametrize("bulk_from", [0, BULK_FROM_ROWS], ids=["bulk", "small-row-by-row"])
+
+
+@PATHS
 @pytest.mark.parametrize("seed", range(8))
-def test_bulk_decoding_equals_row_by_row(seed: int) -> None:
+def test_bulk_decoding_equals_row_by_row(seed: int, bulk_from: int) -> None:
     """Random mixes of every row message kind, NULLs, unchanged TOAST values, escapes and truncates."""
     rng = random.Random(seed)
     messages = [TRUNCATE_PAYLOAD if rng.random() < 0.03 else _message(rng) for _ in range(rng.choice([1, 7, 400]))]
     lsns = sorted(rng.randrange(1, 2**40) for _ in messages)
     ts = [1_700_000_000_000_000 + i for i in range(len(messages))]
     xids = [rng.randrange(2**32) for _ in messages]
-    encoded = encode_segment(INFO, lsns, messages, ts, xids)
+    encoded = encode_segment(INFO, lsns, messages, ts, xids, bulk_from)
     relation, staged = codec.decode(encoded.data)
     assert relation == INFO.relation
     assert staged == _expected(messages, lsns, ts, xids)
@@ -93,12 +105,24 @@ def test_bulk_decoding_equals_row_by_row(seed: int) -> None:
     assert (encoded.first_lsn, encoded.last_lsn) == (lsns[0], lsns[-1])
 
 
+@PATHS
+def test_a_truncate_among_a_few_rows_keeps_its_place(bulk_from: int) -> None:
+    """A TRUNCATE marker between rows of a small file is staged where it happened, by either path."""
+    insert = [b"I" + struct.pack("!I", 1) + b"N" + tuple_data(str(i), "a", None, "b") for i in range(3)]
+    messages = [insert[0], TRUNCATE_PAYLOAD, insert[1], insert[2]]
+    lsns, ts, xids = [10, 20, 30, 40], [0, 1, 2, 3], [5, 6, 7, 7]
+    _, staged = codec.decode(encode_segment(INFO, lsns, messages, ts, xids, bulk_from).data)
+    assert [change.op for change in staged] == [codec.INSERT, TRUNCATE, codec.INSERT, codec.INSERT]
+    assert staged == _expected(messages, lsns, ts, xids)
+
+
 def test_only_simple_rows_take_the_bulk_path_and_keep_json_valid() -> None:
     """Inserts of awkward text: the ``_data`` of the bulk path is valid JSON with the exact strings."""
     messages = [
         b"I" + struct.pack("!I", 1) + b"N" + tuple_data(str(i), text, None, text) for i, text in enumerate(TEXTS)
     ]
-    encoded = encode_segment(INFO, list(range(1, len(TEXTS) + 1)), messages, [0] * len(TEXTS), [1] * len(TEXTS))
+    count = len(TEXTS)
+    encoded = encode_segment(INFO, list(range(1, count + 1)), messages, [0] * count, [1] * count, bulk_from=0)
     _, staged = codec.decode(encoded.data)
     assert [c.data for c in staged] == [
         {"id": str(i), "name": text, 'we"ird,col': None, "big": text} for i, text in enumerate(TEXTS)
@@ -130,18 +154,20 @@ def test_only_simple_rows_take_the_bulk_path_and_keep_json_valid() -> None:
         ),
     ],
 )
-def test_malformed_messages_raise(message: bytes, error: type[Exception], match: str) -> None:
+@PATHS
+def test_malformed_messages_raise(message: bytes, error: type[Exception], match: str, bulk_from: int) -> None:
     """What the row-by-row decoder refuses, the bulk path refuses too (nothing is staged)."""
     with pytest.raises(error, match=match):
-        encode_segment(INFO, [1], [message], [0], [1])
+        encode_segment(INFO, [1], [message], [0], [1], bulk_from)
 
 
-def test_invalid_utf8_is_refused() -> None:
+@PATHS
+def test_invalid_utf8_is_refused(bulk_from: int) -> None:
     """Text values must be UTF-8, as the row-by-row decoder requires."""
     message = b"I" + struct.pack("!I", 1) + b"N" + tuple_data("1", "a", None, "b").replace(b"b", b"\xff")
     # Arrow's check in bulk ("Invalid UTF8 payload"), or the codec's row by row ("'utf-8' codec can't decode").
     with pytest.raises(ValueError, match=r"(?i)utf-?8"):
-        encode_segment(INFO, [1], [message], [0], [1])
+        encode_segment(INFO, [1], [message], [0], [1], bulk_from)
 
 
 def _insert(oid: int, key: int, text: str) -> bytes:

@@ -11,6 +11,7 @@ so the materializer can evolve the Iceberg schema without asking the source.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 from collections.abc import Sequence
@@ -72,6 +73,11 @@ class StagedRelation:
     key: tuple[str, ...] = ()
 
     def to_json(self) -> str:
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> str:
+        # Once per relation, not per staged file: a flush over many tables writes a file for each.
         data: dict[str, Any] = {"table": self.table, "columns": [c.to_json() for c in self.columns]}
         if self.file_node is not None:
             data["file_node"] = self.file_node
