@@ -254,6 +254,56 @@ def test_slot_safe_warns_before_the_slot_loses_wal_and_errors_once_lost(
     assert _events(ticked, AssetObservation)[SLOT_KEY].metadata["wal_status"].value == "lost"
 
 
+def test_a_tick_reports_at_most_its_share_of_staged_logs_and_later_ones_catch_up(
+    source: SourceDb, tmp_path: Path
+) -> None:
+    """Many tables staged in one tick: the daemon stores a tick's events one at a time, so a tick
+    reports at most ``staged_log_events`` staged logs, those waiting longest first; the others' changes
+    wait in the cursor, and every change the source committed is reported exactly once."""
+    tables = ["public.a", "public.b", "public.c"]
+    for name in tables:
+        source.execute(f"CREATE TABLE {name} (id int PRIMARY KEY)")
+    config = source.config(tables)
+    source.pipeline(config).snapshot()
+    config_path = _write_config(config, tmp_path)
+    flusher = flusher_sensor(Mirror(Pg2IcebergTranslator(config)), tick_seconds=2.0, staged_log_events=2)
+    reported: dict[str, int] = dict.fromkeys(tables, 0)
+    cursor: str | None = None
+
+    def tick() -> tuple[list[str], str]:
+        """One tick, carrying the cursor: the tables it reported, in its order, and what it says it did."""
+        nonlocal cursor
+        with (
+            instance_for_test() as instance,
+            build_sensor_context(
+                instance=instance, resources={"pg2iceberg": Pg2IcebergResource(config_path=config_path)}, cursor=cursor
+            ) as context,
+        ):
+            result = flusher(context)
+            cursor = context.cursor
+        keys = []
+        for key, event in _events(result, AssetMaterialization).items():
+            table = f"public.{key.path[-1].removesuffix('_staged_log')}"
+            reported[table] += event.metadata["changes_staged"].value
+            keys.append(table)
+        return keys, result.skip_reason.skip_message
+
+    source.execute("INSERT INTO public.a SELECT generate_series(1, 5)")
+    source.execute("INSERT INTO public.b SELECT generate_series(1, 7)")
+    source.execute("INSERT INTO public.c SELECT generate_series(1, 9)")
+    keys, said = tick()
+    assert keys == ["public.a", "public.b"]  # all three staged; c waits
+    assert said.startswith("staged 21 changes of 3 tables") and said.endswith(
+        "; 1 tables' staged logs to report at a later tick"
+    )
+    source.execute("INSERT INTO public.a SELECT generate_series(6, 8)")
+    assert tick()[0] == ["public.c", "public.a"]  # c has waited longest
+    keys, said = tick()
+    assert keys == [] and said.startswith("no new changes")
+    counts = {name: source.execute(f"SELECT count(*) FROM {name}")[0][0] for name in tables}
+    assert reported == counts == {"public.a": 8, "public.b": 7, "public.c": 9}
+
+
 def test_freshness_windows_derive_from_the_flush_and_merge_cadence(source: SourceDb) -> None:
     config = source.config(["public.x"], flush={"interval_seconds": 5}, materialize={"interval_seconds": 10})
     assert config.freshness_windows() == (300.0, 900.0)
