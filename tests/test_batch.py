@@ -13,7 +13,6 @@ import pytest
 
 from pg2iceberg_dagster.config import FlushConfig, StagingConfig
 from pg2iceberg_dagster.flusher.batch import (
-    BULK_FROM_ROWS,
     RelationInfo,
     encode_segment,
     row_changes,
@@ -84,20 +83,20 @@ def _expected(messages: list[bytes], lsns: list[int], ts: list[int], xids: list[
     return out
 
 
-# Every file in bulk, and as the flusher stages: files of fewer than BULK_FROM_ROWS rows row by row.
-PATHS = pytest.mark.parametrize("bulk_from", [0, BULK_FROM_ROWS], ids=["bulk", "small-row-by-row"])
+# Both decoders on every input (the flusher takes whichever is cheaper for a file, see bulk_is_cheaper).
+PATHS = pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "row-by-row"])
 
 
 @PATHS
 @pytest.mark.parametrize("seed", range(8))
-def test_bulk_decoding_equals_row_by_row(seed: int, bulk_from: int) -> None:
+def test_bulk_decoding_equals_row_by_row(seed: int, bulk: bool) -> None:
     """Random mixes of every row message kind, NULLs, unchanged TOAST values, escapes and truncates."""
     rng = random.Random(seed)
     messages = [TRUNCATE_PAYLOAD if rng.random() < 0.03 else _message(rng) for _ in range(rng.choice([1, 7, 400]))]
     lsns = sorted(rng.randrange(1, 2**40) for _ in messages)
     ts = [1_700_000_000_000_000 + i for i in range(len(messages))]
     xids = [rng.randrange(2**32) for _ in messages]
-    encoded = encode_segment(INFO, lsns, messages, ts, xids, bulk_from)
+    encoded = encode_segment(INFO, lsns, messages, ts, xids, bulk)
     relation, staged = codec.decode(encoded.data)
     assert relation == INFO.relation
     assert staged == _expected(messages, lsns, ts, xids)
@@ -106,12 +105,12 @@ def test_bulk_decoding_equals_row_by_row(seed: int, bulk_from: int) -> None:
 
 
 @PATHS
-def test_a_truncate_among_a_few_rows_keeps_its_place(bulk_from: int) -> None:
+def test_a_truncate_among_a_few_rows_keeps_its_place(bulk: bool) -> None:
     """A TRUNCATE marker between rows of a small file is staged where it happened, by either path."""
     insert = [b"I" + struct.pack("!I", 1) + b"N" + tuple_data(str(i), "a", None, "b") for i in range(3)]
     messages = [insert[0], TRUNCATE_PAYLOAD, insert[1], insert[2]]
     lsns, ts, xids = [10, 20, 30, 40], [0, 1, 2, 3], [5, 6, 7, 7]
-    _, staged = codec.decode(encode_segment(INFO, lsns, messages, ts, xids, bulk_from).data)
+    _, staged = codec.decode(encode_segment(INFO, lsns, messages, ts, xids, bulk).data)
     assert [change.op for change in staged] == [codec.INSERT, TRUNCATE, codec.INSERT, codec.INSERT]
     assert staged == _expected(messages, lsns, ts, xids)
 
@@ -122,7 +121,7 @@ def test_only_simple_rows_take_the_bulk_path_and_keep_json_valid() -> None:
         b"I" + struct.pack("!I", 1) + b"N" + tuple_data(str(i), text, None, text) for i, text in enumerate(TEXTS)
     ]
     count = len(TEXTS)
-    encoded = encode_segment(INFO, list(range(1, count + 1)), messages, [0] * count, [1] * count, bulk_from=0)
+    encoded = encode_segment(INFO, list(range(1, count + 1)), messages, [0] * count, [1] * count, bulk=True)
     _, staged = codec.decode(encoded.data)
     assert [c.data for c in staged] == [
         {"id": str(i), "name": text, 'we"ird,col': None, "big": text} for i, text in enumerate(TEXTS)
@@ -155,19 +154,19 @@ def test_only_simple_rows_take_the_bulk_path_and_keep_json_valid() -> None:
     ],
 )
 @PATHS
-def test_malformed_messages_raise(message: bytes, error: type[Exception], match: str, bulk_from: int) -> None:
+def test_malformed_messages_raise(message: bytes, error: type[Exception], match: str, bulk: bool) -> None:
     """What the row-by-row decoder refuses, the bulk path refuses too (nothing is staged)."""
     with pytest.raises(error, match=match):
-        encode_segment(INFO, [1], [message], [0], [1], bulk_from)
+        encode_segment(INFO, [1], [message], [0], [1], bulk)
 
 
 @PATHS
-def test_invalid_utf8_is_refused(bulk_from: int) -> None:
+def test_invalid_utf8_is_refused(bulk: bool) -> None:
     """Text values must be UTF-8, as the row-by-row decoder requires."""
     message = b"I" + struct.pack("!I", 1) + b"N" + tuple_data("1", "a", None, "b").replace(b"b", b"\xff")
     # Arrow's check in bulk ("Invalid UTF8 payload"), or the codec's row by row ("'utf-8' codec can't decode").
     with pytest.raises(ValueError, match=r"(?i)utf-?8"):
-        encode_segment(INFO, [1], [message], [0], [1], bulk_from)
+        encode_segment(INFO, [1], [message], [0], [1], bulk)
 
 
 def _insert(oid: int, key: int, text: str) -> bytes:
