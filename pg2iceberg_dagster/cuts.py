@@ -38,6 +38,7 @@ from .coordination.protocol import LEASE_RETRY_SECONDS, LEASE_WAIT_SECONDS, writ
 from .coordination.store import CoordinationStore
 from .errors import ConfigError, CutError
 from .iceberg.commit import commit_with_retry
+from .iceberg.transaction import open_transaction
 from .materializer.branch import MERGE_BRANCH
 from .materializer.merge import Materializer
 from .source.lsn import format_lsn, parse_lsn
@@ -217,7 +218,7 @@ def _tag(table: Table, cut: Cut, snapshot_id: int) -> None:
 
     def commit() -> None:
         table.refresh()
-        with table.transaction() as transaction:
+        with open_transaction(table) as transaction:
             transaction.set_properties({CUT_PROPERTY_PREFIX + cut.name: cut.record()})
             with ManageSnapshots(transaction) as refs:
                 refs.create_tag(snapshot_id, cut.name)
@@ -230,7 +231,7 @@ def _untag(table: Table, name: str) -> None:
 
     def commit() -> None:
         table.refresh()
-        with table.transaction() as transaction:
+        with open_transaction(table) as transaction:
             if CUT_PROPERTY_PREFIX + name in table.properties:
                 transaction.remove_properties(CUT_PROPERTY_PREFIX + name)
             ref = table.metadata.refs.get(name)

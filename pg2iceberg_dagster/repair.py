@@ -53,6 +53,7 @@ from .iceberg.change_metadata import deletion_columns
 from .iceberg.delete_formats import merges_on_read
 from .iceberg.evolution import evolve_schema, pending_fills, source_files_properties, without_pending_fills
 from .iceberg.key_filter import key_filter
+from .iceberg.transaction import open_transaction
 from .iceberg.types import arrow_schema, as_table_rows
 from .materializer.branch import spark_view, write_on_branch
 from .materializer.spark_sql import OP_COLUMN
@@ -308,7 +309,7 @@ def _write(table: Table, differences: RowDifferences, epoch: int, key: str, file
     """Step 3: one commit deleting ``differences.delete_keys`` and appending ``differences.upserts``
     (and recording what was compared, see :func:`_record_compared`). None when nothing differs (the
     record alone is committed when it changed)."""
-    transaction = table.transaction()
+    transaction = open_transaction(table)
     if not differences.delete_keys and not differences.upserted:
         if _record_compared(table, transaction, files):
             transaction.commit_transaction()
@@ -364,7 +365,7 @@ def _write_through_spark(
     changed since.) None when nothing differs."""
     # The record first (Spark's write cannot carry it): a crash in between leaves rows the next
     # comparison finds different, where a fill left behind would overwrite the rows written with its default.
-    transaction = table.transaction()
+    transaction = open_transaction(table)
     if _record_compared(table, transaction, files):
         table = transaction.commit_transaction()
     if not differences.delete_keys and not differences.upserted:

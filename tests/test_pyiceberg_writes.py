@@ -140,3 +140,28 @@ def test_a_table_switched_to_copy_on_write_keeps_its_position_deletes(source: So
     batches = _merged(pipeline)
     assert_mirrored(pipeline)
     assert batches == (1, 1)
+
+
+def test_merges_of_a_copy_on_write_table_keep_its_manifest_list_bounded_and_its_history_readable(
+    source: SourceDb,
+) -> None:
+    """Each merge rewrites the file holding its keys (an overwrite, whose manifest of tombstones only
+    its own snapshot needs): the current snapshot keeps only manifests with live files, so a merge
+    does not read one more manifest for every merge before it; every earlier snapshot still reads
+    as the table was then."""
+    pipeline = _mirrored(source, "CREATE TABLE public.items (id int PRIMARY KEY, v text)", COW)
+    table_id = pipeline.tables["public.items"].iceberg
+    manifests, held = [], {}
+    for merge in range(6):
+        source.execute(f"UPDATE public.items SET v = 'merge {merge}' WHERE id <= {merge + 1}")
+        assert _merged(pipeline) == (1, 1)
+        assert_mirrored(pipeline)
+        table = pipeline.catalog.load_table(table_id)
+        snapshot = table.current_snapshot()
+        assert snapshot is not None
+        manifests.append(len(snapshot.manifests(table.io)))
+        held[snapshot.snapshot_id] = sorted(table.scan().to_arrow().to_pylist(), key=lambda row: row["id"])
+    assert manifests == [manifests[0]] * 6, manifests  # a manifest more per merge before
+    table = pipeline.catalog.load_table(table_id)
+    for snapshot_id, rows in held.items():
+        assert sorted(table.scan(snapshot_id=snapshot_id).to_arrow().to_pylist(), key=lambda row: row["id"]) == rows

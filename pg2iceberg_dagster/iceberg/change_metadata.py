@@ -21,6 +21,7 @@ from ..config import ChangeMetadataConfig, PipelineConfig, TableConfig
 from ..errors import ConfigError, StartupCheckError
 from ..source.catalog import SourceColumn
 from .commit import commit_with_retry
+from .transaction import open_transaction
 
 METADATA_COLUMNS = "pg2iceberg.metadata-columns"
 DELETION_COLUMNS = "pg2iceberg.soft-delete-columns"
@@ -145,7 +146,7 @@ def ensure_columns(table: Table, table_key: str, source: Sequence[SourceColumn],
 
     def add() -> None:
         table.refresh()
-        with table.transaction() as transaction:
+        with open_transaction(table) as transaction:
             with transaction.update_schema() as update:
                 present = set(table.schema().column_names)
                 for name, field_type in wanted.fields():

@@ -28,6 +28,7 @@ from pyiceberg.types import DecimalType, DoubleType, FloatType, IcebergType, Int
 from ..errors import ResyncRequiredError
 from ..source.catalog import SourceColumn, SourceFiles
 from .change_metadata import metadata_names, refuse_metadata_name_clash
+from .transaction import open_transaction
 from .types import field_ids, iceberg_type
 
 
@@ -370,7 +371,7 @@ def evolve_schema(
         with table.update_schema() as update:
             for field_id in plan.renames:
                 update.rename_column(column_name(schema, field_id), f"__pg2iceberg_renaming_{field_id}")
-    with table.transaction() as transaction:
+    with open_transaction(table) as transaction:
         _apply_plan(transaction, table, plan, fills=_json_property(table, PENDING_FILLS))
     return plan.changes
 
@@ -422,7 +423,7 @@ def rebuild_schema(
     what it changes; nothing is committed. Files written with its metadata carry the new field ids:
     they are added to it, then it commits."""
     plan = _plan(table, table_key, columns, rebuild=True)
-    transaction = table.transaction()
+    transaction = open_transaction(table)
     _apply_plan(transaction, table, plan, fills={}, key=key)
     transaction.set_properties(source_files_properties(files))
     return transaction, plan.changes
@@ -443,4 +444,4 @@ def no_pending_fills() -> dict[str, str]:
 
 def clear_pending_fills(table: Table, done: Sequence[int]) -> None:
     """Forget the fills that are done (their values are in every existing row)."""
-    table.transaction().set_properties(without_pending_fills(table, done)).commit_transaction()
+    open_transaction(table).set_properties(without_pending_fills(table, done)).commit_transaction()

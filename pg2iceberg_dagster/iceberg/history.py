@@ -28,6 +28,7 @@ from ..config import ChangeMetadataConfig
 from ..errors import ConfigError, StartupCheckError
 from .change_metadata import metadata_names
 from .commit import commit_with_retry
+from .transaction import open_transaction
 
 HISTORY_COLUMNS = "pg2iceberg.history-columns"
 # Which field of the live table each source column of the history table mirrors (name -> field id), so a
@@ -189,7 +190,7 @@ def follow_live_columns(table: Table, live: Table) -> Table:
 
     def follow() -> None:
         table.refresh()
-        with table.transaction() as transaction:
+        with open_transaction(table) as transaction:
             if renames:
                 with transaction.update_schema() as update:
                     for old, new in renames.items():

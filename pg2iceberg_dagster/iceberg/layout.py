@@ -53,6 +53,7 @@ from ..source.catalog import SourceColumn
 from .commit import commit_with_retry
 from .evolution import column_attnums, column_name, field_for
 from .terms import PartitionTerm, SortTerm
+from .transaction import open_transaction
 from .types import field_ids, iceberg_type
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,7 @@ def apply_layout(
         if attempts:
             table.refresh()
         attempts += 1
-        transaction = table.transaction()
+        transaction = open_transaction(table)
         changes = follow_layout(transaction, table_key, config, columns)
         if changes:
             transaction.commit_transaction()

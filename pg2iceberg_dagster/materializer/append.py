@@ -35,6 +35,7 @@ from pyiceberg.types import DateType, IntegerType, LongType, StringType
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.key_filter import key_filter
 from ..iceberg.layout import sorted_rows
+from ..iceberg.transaction import open_transaction, overwrite
 from ..iceberg.types import as_table_rows
 from ..staging.codec import DELETE
 from .spark_sql import OP_COLUMN
@@ -61,8 +62,8 @@ def append_rows(table: Table, rows: pa.Table, properties: Mapping[str, str]) -> 
 
     def commit() -> None:
         table.refresh()  # a concurrent commit (maintenance) is kept: appends commute with it
-        with table.transaction() as transaction:
-            transaction.append(sorted_rows(table.metadata, typed), snapshot_properties=dict(properties))
+        with open_transaction(table) as appending:
+            appending.append(sorted_rows(table.metadata, typed), snapshot_properties=dict(properties))
 
     with _ONE_WRITE_AT_A_TIME:
         commit_with_retry(commit)
@@ -98,13 +99,13 @@ def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: M
             else []
         )
         with (
-            table.transaction() as transaction,
-            transaction.update_snapshot(snapshot_properties=dict(properties)).overwrite() as overwrite,
+            open_transaction(table) as rewriting,
+            overwrite(rewriting, table.io, properties) as rewrite,
         ):
             for data_file in touched:
-                overwrite.delete_data_file(data_file)
+                rewrite.delete_data_file(data_file)
             for data_file in files:
-                overwrite.append_data_file(data_file)
+                rewrite.append_data_file(data_file)
 
     with _ONE_WRITE_AT_A_TIME:
         commit_with_retry(commit)

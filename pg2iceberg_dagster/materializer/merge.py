@@ -51,6 +51,7 @@ from ..iceberg.evolution import (
 )
 from ..iceberg.history import HistoryPosition, history_position
 from ..iceberg.layout import apply_layout
+from ..iceberg.transaction import open_transaction
 from ..iceberg.types import arrow_schema
 from ..iceberg.values import null_key_refusal, null_key_rows
 from ..source.catalog import SourceColumn, TypeResolver, describe_table, file_node
@@ -399,7 +400,7 @@ class Materializer:
 
         def record() -> None:
             table.refresh()
-            with table.transaction() as transaction:
+            with open_transaction(table) as transaction:
                 transaction.set_properties({SOURCE_LEAVES: leaves_property(change.now)})
 
         commit_with_retry(record)

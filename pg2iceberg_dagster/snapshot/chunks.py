@@ -23,6 +23,7 @@ from ..iceberg.catalog import snapshot_summaries
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import no_pending_fills, source_files_properties
 from ..iceberg.layout import sorted_rows
+from ..iceberg.transaction import open_transaction
 from ..iceberg.types import arrow_schema
 from ..iceberg.values import null_key_refusal, null_key_rows
 from ..source.catalog import SourceFiles, SourceTable, table_pages
@@ -166,7 +167,7 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
         if todo:
             properties = {CHUNK_MARKERS: json.dumps([chunk_marker(w.chunk) for w in todo]), CHUNK_EPOCH: str(epoch)}
             with (
-                table.transaction() as transaction,
+                open_transaction(table) as transaction,
                 transaction.update_snapshot(snapshot_properties=properties).fast_append() as append,
             ):
                 for written in todo:
@@ -201,7 +202,7 @@ def empty_for_epoch(table: Table, epoch: int, files: SourceFiles, current: bool 
         properties = epoch_properties(files)
         if table.current_snapshot() is None and all(table.properties.get(k) == v for k, v in properties.items()):
             return
-        with table.transaction() as transaction:
+        with open_transaction(table) as transaction:
             if table.current_snapshot() is not None:
                 transaction.delete(AlwaysTrue(), snapshot_properties={RESTART_EPOCH: str(epoch)})
             transaction.set_properties(properties)

@@ -1,0 +1,73 @@
+"""pyiceberg transactions whose cost does not grow with the table's history.
+
+A mirrored table is committed to every few seconds, so it keeps many snapshots (an hour's, see
+``maintenance.snapshot_retention_hours``) and, written by overwrites, would keep many manifests.
+pyiceberg 0.12 makes both a per-commit cost (measured on a 1,000-row table, a merge of 5 upserts as
+an overwrite: 87 ms of CPU at first, 2.3 s after 300 merges):
+
+- **Its transaction copies the table's whole metadata, every snapshot retained, at each look**
+  (``Transaction.table_metadata``, about twenty in one overwrite). ``open_transaction`` copies it once per
+  staged change instead, and not before any: pyiceberg's metadata is immutable (frozen models).
+- **Its overwrite carries every manifest of the parent it does not rewrite into the new snapshot**,
+  including manifests holding only tombstones (files an earlier overwrite deleted), and every later
+  overwrite reads each of them twice: one more per merge. No reader of the new snapshot needs them
+  (the snapshot that deleted those files keeps them in its own manifest list), and Iceberg's Java
+  writers drop them; ``overwrite`` does too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pyiceberg.io import FileIO
+from pyiceberg.manifest import ManifestFile
+from pyiceberg.table import Table, TableMetadata, Transaction
+from pyiceberg.table.snapshots import Operation
+from pyiceberg.table.update import TableUpdate
+from pyiceberg.table.update.snapshot import _OverwriteFiles  # pyiceberg is pinned: its overwrite, one hook changed
+
+
+class _MetadataOncePerChange(Transaction):
+    """pyiceberg's transaction, its metadata computed again only when the table or its changes moved."""
+
+    _computed: tuple[TableMetadata, tuple[TableUpdate, ...], TableMetadata] | None = None
+
+    @property
+    def table_metadata(self) -> TableMetadata:
+        base, updates = self._table.metadata, self._updates
+        computed = self._computed
+        if not updates:
+            return base  # nothing staged yet: the table's own metadata (pyiceberg would copy it)
+        if computed is None or computed[0] is not base or computed[1] is not updates:
+            # A commit retried against a refreshed table has a new base: computed again.
+            computed = self._computed = (base, updates, super().table_metadata)
+        return computed[2]
+
+
+def open_transaction(table: Table) -> Transaction:
+    """A transaction on ``table``, as ``table.transaction()``, that copies its metadata once per change."""
+    return _MetadataOncePerChange(table)
+
+
+class _LiveManifestsOverwrite(_OverwriteFiles):
+    """pyiceberg's overwrite, leaving out of the new snapshot the parent's tombstone-only manifests."""
+
+    def _existing_manifests(self) -> list[ManifestFile]:
+        return [manifest for manifest in super()._existing_manifests() if self._keeps(manifest)]
+
+    def _keeps(self, manifest: ManifestFile) -> bool:
+        # A count an older writer left out (None) counts as live.
+        live = manifest.has_added_files() or manifest.has_existing_files()
+        return live or manifest.added_snapshot_id == self._snapshot_id
+
+
+def overwrite(transaction: Transaction, io: FileIO, properties: Mapping[str, str]) -> _OverwriteFiles:
+    """An overwrite of ``transaction``'s table on its main branch whose snapshot summary carries
+    ``properties``; as pyiceberg's ``update_snapshot().overwrite()``, an append on a table with no snapshot."""
+    has_snapshot = transaction.table_metadata.current_snapshot() is not None
+    return _LiveManifestsOverwrite(
+        operation=Operation.OVERWRITE if has_snapshot else Operation.APPEND,
+        transaction=transaction,
+        io=io,
+        snapshot_properties=dict(properties),
+    )
