@@ -1,6 +1,7 @@
 """The CPU of one small table's merge on a warm session: pyiceberg's writes against Spark's MERGE.
 
     .venv/bin/python -m bench.small_merge [--tables 40] [--rows 1000] [--changes 70] [--rounds 3]
+                                          [--aged-merges 240]
 
 Starts its own PostgreSQL with ``--tables`` copy-on-write tables of ``--rows`` rows (the three column
 shapes of bench.tables), snapshots them, then, ``--rounds`` times, commits ``--changes`` single-row
@@ -10,8 +11,13 @@ pipeline: *mixed* (3 in 4 insert a new key, 1 in 4 update an older row) and *ins
 insert). Each is merged the way the pipeline chooses (``pyiceberg``: a pyiceberg write, see
 materializer/append.py) and with ``materialize.pyiceberg_max_rows: 0`` (``spark``: every batch a Spark
 MERGE, the limit it is compared with). The first round of each starts Spark or warms up and is left
-out. Every table is then compared with the source row by row (the bench fails on any difference).
-Target: <= 0.1 CPU-seconds per small-table merge (issue 34).
+out. A third case, *aged*, merges one of the tables ``--aged-merges`` times, 4 changes each (an
+update and 3 inserts: overwrites), as `run` does to a table written all the time, and compares the
+CPU of its last 10 merges with its first 10: a table keeps an hour of snapshots
+(``maintenance.snapshot_retention_hours``), about 240 at a merge every 15 s, and a merge must not cost
+more for each one before it. Every table is then compared with the source row by row (the bench
+fails on any difference). Target: <= 0.1 CPU-seconds per small-table merge (issue 34), the aged
+table's last merges included.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from .common import (
 from .tables import KEY, SHAPES, SourceTable, fill_tables
 
 TARGET = 0.1
+AGED_CHANGES = 4  # write() makes every 4th change an update: each merge an overwrite
+AGED_WINDOW = 10  # merges averaged at each end of the aged table's
 PIPELINES = [(case, way) for case in ("mixed", "inserts") for way in ("pyiceberg", "spark")]
 COPY_ON_WRITE = {f"write.{kind}.mode": "copy-on-write" for kind in ("merge", "update", "delete")}
 
@@ -99,14 +107,38 @@ def measure(pg: Any, root: Path, tables: list[SourceTable], case: str, way: str,
     return {"wall": wall / merges, "python": python / merges, "jvm": jvm / merges, "pyiceberg": written / merges}
 
 
+def measure_aged(pg: Any, root: Path, table: SourceTable, merges: int) -> tuple[float, float]:
+    """CPU-seconds (Python and JVM) per merge of ``table``'s first and last ``AGED_WINDOW`` merges of
+    ``merges``, each of ``AGED_CHANGES`` changes, on a pipeline of its own (the very first merge,
+    warming up, left out)."""
+    config, _ = mode_config(pg, root, [table.key], "small", "aged", iceberg={"table_properties": COPY_ON_WRITE})
+    next_ids = {table.name: 1_000_000 * (1 + len(PIPELINES))}
+    cpu: list[float] = []
+    with Pipeline(config) as pipeline:
+        pipeline.snapshot()
+        materializer = pipeline.materializer()
+        for _ in range(merges + 1):
+            write(pg, [table], AGED_CHANGES, next_ids, inserts_only=False)
+            pipeline.stream(until_caught_up=True)
+            before = time.process_time() + jvm_cpu_seconds()
+            materializer.materialize_table(table.key)
+            cpu.append(time.process_time() + jvm_cpu_seconds() - before)
+        differ = [str(diff) for diff in pipeline.verify() if not diff.ok]
+    if differ:
+        raise SystemExit(f"aged: Iceberg differs from PostgreSQL: {differ}")
+    return sum(cpu[1 : 1 + AGED_WINDOW]) / AGED_WINDOW, sum(cpu[-AGED_WINDOW:]) / AGED_WINDOW
+
+
 def main() -> None:
     parser = argument_parser(__doc__ or "")
     parser.add_argument("--tables", type=int, default=40, help="tables, merged one after the other")
     parser.add_argument("--rows", type=int, default=1000, help="rows in each table")
     parser.add_argument("--changes", type=int, default=70, help="changes per table and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of writes and merges (the first is left out)")
+    parser.add_argument("--aged-merges", type=int, default=240, help="merges of the aged table (0: no aged case)")
     args = parser.parse_args()
-    parameters = {"tables": args.tables, "rows": args.rows, "changes": args.changes, "rounds": args.rounds}
+    parameters = {"tables": args.tables, "rows": args.rows, "changes": args.changes, "rounds": args.rounds,
+                  "aged_merges": args.aged_merges}  # fmt: skip
     columns = ["case", "way", "wall_s", "python_cpu_s", "jvm_cpu_s", "cpu_s", "pyiceberg_share"]
     report = Report("small_merge", parameters, columns)
     with work_dir(args.dir) as root, bench_cluster(root) as pg:
@@ -121,6 +153,12 @@ def main() -> None:
         for case in ("mixed", "inserts"):
             report.ratio(f"{case}_cpu_s_per_merge", cpu[case, "pyiceberg"], TARGET, at_most=True)
             report.ratio(f"{case}_cpu_vs_spark_merge", cpu[case, "pyiceberg"] / cpu[case, "spark"])
+        if args.aged_merges > AGED_WINDOW:
+            first, last = measure_aged(pg, root, tables[0], args.aged_merges)
+            report.add("aged", f"first {AGED_WINDOW} merges", "", first, "", first, "")
+            report.add("aged", f"last {AGED_WINDOW} of {args.aged_merges}", "", last, "", last, "")
+            report.ratio("aged_cpu_s_per_merge", last, TARGET, at_most=True)
+            report.ratio("aged_last_vs_first_merges", last / first)
     report.emit(args.json)
 
 
