@@ -41,9 +41,9 @@ class _MetadataOncePerChange(Transaction):
     @property
     def table_metadata(self) -> TableMetadata:
         base, updates = self._table.metadata, self._updates
-        computed = self._computed
         if not updates:
             return base  # nothing staged yet: the table's own metadata (pyiceberg would copy it)
+        computed = self._computed
         if computed is None or computed[0] is not base or computed[1] is not updates:
             # A commit retried against a refreshed table has a new base: computed again.
             computed = self._computed = (base, updates, _staged_metadata(base, updates))
@@ -65,7 +65,8 @@ def _staged_metadata(base: TableMetadata, updates: tuple[TableUpdate, ...]) -> T
 
 
 def open_transaction(table: Table) -> Transaction:
-    """A transaction on ``table``, as ``table.transaction()``, that copies its metadata once per change."""
+    """A transaction on ``table``, as ``table.transaction()``, whose metadata is computed once per staged
+    change and never deep-copied."""
     return _MetadataOncePerChange(table)
 
 
