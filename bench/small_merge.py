@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ TARGET = 0.1
 AGED_CHANGES = 4  # write() makes every 4th change an update: each merge an overwrite
 AGED_WINDOW = 10  # merges averaged at each end of the aged table's
 PIPELINES = [(case, way) for case in ("mixed", "inserts") for way in ("pyiceberg", "spark")]
+MODES = [*(f"{case}_{way}" for case, way in PIPELINES), "aged"]  # each inserts keys of its own
 COPY_ON_WRITE = {f"write.{kind}.mode": "copy-on-write" for kind in ("merge", "update", "delete")}
 
 
@@ -74,59 +76,82 @@ def write(pg: Any, tables: list[SourceTable], changes: int, next_ids: dict[str, 
                 )
 
 
-def measure(pg: Any, root: Path, tables: list[SourceTable], case: str, way: str, args: Any) -> dict[str, float]:
-    """Merge ``--rounds`` rounds of writes on a pipeline of its own; CPU per merge after the first round."""
-    materialize = {"pyiceberg_max_rows": 0} if way == "spark" else {}
+@dataclass
+class RoundCost:
+    """One round's merges of every table: wall and CPU seconds, merges, of them pyiceberg writes."""
+
+    wall: float
+    python: float
+    jvm: float
+    merges: int
+    pyiceberg: int
+
+
+def merge_rounds(
+    pg: Any,
+    root: Path,
+    tables: list[SourceTable],
+    mode: str,
+    rounds: int,
+    changes: int,
+    inserts_only: bool,
+    materialize: dict[str, int],
+) -> list[RoundCost]:
+    """``rounds`` times, ``changes`` single-row transactions to every table, staged, then every table
+    merged one after the other, on a pipeline of its own (``mode``): the cost of each round's merges.
+    Every table is then compared with the source (the bench fails on any difference)."""
     config, _ = mode_config(
-        pg, root, [t.key for t in tables], "small", f"{case}_{way}",
+        pg, root, [t.key for t in tables], "small", mode,
         iceberg={"table_properties": COPY_ON_WRITE}, materialize=materialize,
     )  # fmt: skip
     # Each pipeline inserts keys of its own: the source tables are shared.
-    offset = 1_000_000 * (1 + PIPELINES.index((case, way)))
+    offset = 1_000_000 * (1 + MODES.index(mode))
     next_ids = {table.name: offset for table in tables}
-    python = jvm = wall = 0.0
-    merges = written = 0
+    costs: list[RoundCost] = []
     with Pipeline(config) as pipeline:
         pipeline.snapshot()
         materializer = pipeline.materializer()  # one, as `run` keeps: what it learnt of each table stays
-        for round_ in range(args.rounds):
-            write(pg, tables, args.changes, next_ids, case == "inserts")
+        for _ in range(rounds):
+            write(pg, tables, changes, next_ids, inserts_only)
             pipeline.stream(until_caught_up=True)
             started, python_before, jvm_before = time.monotonic(), time.process_time(), jvm_cpu_seconds()
             results = [materializer.materialize_table(table.key) for table in tables]
-            if round_ == 0:
-                continue  # Spark's start, the JVM and Python warming up
-            wall += time.monotonic() - started
-            python += time.process_time() - python_before
-            jvm += jvm_cpu_seconds() - jvm_before
-            merges += len(results)
-            written += sum(result.pyiceberg_writes for result in results)
+            costs.append(
+                RoundCost(
+                    wall=time.monotonic() - started,
+                    python=time.process_time() - python_before,
+                    jvm=jvm_cpu_seconds() - jvm_before,
+                    merges=len(results),
+                    pyiceberg=sum(result.pyiceberg_writes for result in results),
+                )
+            )
         differ = [str(diff) for diff in pipeline.verify() if not diff.ok]
     if differ:
-        raise SystemExit(f"{case}/{way}: Iceberg differs from PostgreSQL: {differ}")
-    return {"wall": wall / merges, "python": python / merges, "jvm": jvm / merges, "pyiceberg": written / merges}
+        raise SystemExit(f"{mode}: Iceberg differs from PostgreSQL: {differ}")
+    return costs
+
+
+def measure(pg: Any, root: Path, tables: list[SourceTable], case: str, way: str, args: Any) -> dict[str, float]:
+    """Merge ``--rounds`` rounds of writes on a pipeline of its own; CPU per merge after the first round."""
+    materialize = {"pyiceberg_max_rows": 0} if way == "spark" else {}
+    rounds = merge_rounds(pg, root, tables, f"{case}_{way}", args.rounds, args.changes, case == "inserts", materialize)
+    measured = rounds[1:]  # the first: Spark's start, the JVM and Python warming up
+    merges = sum(cost.merges for cost in measured)
+    return {
+        "wall": sum(cost.wall for cost in measured) / merges,
+        "python": sum(cost.python for cost in measured) / merges,
+        "jvm": sum(cost.jvm for cost in measured) / merges,
+        "pyiceberg": sum(cost.pyiceberg for cost in measured) / merges,
+    }
 
 
 def measure_aged(pg: Any, root: Path, table: SourceTable, merges: int) -> tuple[float, float]:
     """CPU-seconds (Python and JVM) per merge of ``table``'s first and last ``AGED_WINDOW`` merges of
     ``merges``, each of ``AGED_CHANGES`` changes, on a pipeline of its own (the very first merge,
     warming up, left out)."""
-    config, _ = mode_config(pg, root, [table.key], "small", "aged", iceberg={"table_properties": COPY_ON_WRITE})
-    next_ids = {table.name: 1_000_000 * (1 + len(PIPELINES))}
-    cpu: list[float] = []
-    with Pipeline(config) as pipeline:
-        pipeline.snapshot()
-        materializer = pipeline.materializer()
-        for _ in range(merges + 1):
-            write(pg, [table], AGED_CHANGES, next_ids, inserts_only=False)
-            pipeline.stream(until_caught_up=True)
-            before = time.process_time() + jvm_cpu_seconds()
-            materializer.materialize_table(table.key)
-            cpu.append(time.process_time() + jvm_cpu_seconds() - before)
-        differ = [str(diff) for diff in pipeline.verify() if not diff.ok]
-    if differ:
-        raise SystemExit(f"aged: Iceberg differs from PostgreSQL: {differ}")
-    return sum(cpu[1 : 1 + AGED_WINDOW]) / AGED_WINDOW, sum(cpu[-AGED_WINDOW:]) / AGED_WINDOW
+    rounds = merge_rounds(pg, root, [table], "aged", merges + 1, AGED_CHANGES, False, {})[1:]
+    cpu = [cost.python + cost.jvm for cost in rounds]
+    return sum(cpu[:AGED_WINDOW]) / AGED_WINDOW, sum(cpu[-AGED_WINDOW:]) / AGED_WINDOW
 
 
 def main() -> None:
@@ -155,8 +180,8 @@ def main() -> None:
             report.ratio(f"{case}_cpu_vs_spark_merge", cpu[case, "pyiceberg"] / cpu[case, "spark"])
         if args.aged_merges > AGED_WINDOW:
             first, last = measure_aged(pg, root, tables[0], args.aged_merges)
-            report.add("aged", f"first {AGED_WINDOW} merges", "", first, "", first, "")
-            report.add("aged", f"last {AGED_WINDOW} of {args.aged_merges}", "", last, "", last, "")
+            report.add("aged", f"first {AGED_WINDOW} merges", "", "", "", first, "")
+            report.add("aged", f"last {AGED_WINDOW} of {args.aged_merges}", "", "", "", last, "")
             report.ratio("aged_cpu_s_per_merge", last, TARGET, at_most=True)
             report.ratio("aged_last_vs_first_merges", last / first)
     report.emit(args.json)
