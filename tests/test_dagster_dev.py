@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +116,25 @@ def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
             return None
 
         _wait(lambda: all(merged(key) for key in live), "an automated merge of the write", log)
-        assert len({merged(key).run_id for key in live}) == 1, "both lagging tables merged by one run"
+        assert len({merged(key).run_id for key in live}) == 1, (
+            f"both lagging tables merged by one run; {_runs_since(instance, written_at - 120, written_at)}"
+        )
     pipeline = source.pipeline(source.config([f"public.{table}" for table in TABLES]))
     rows = {r["id"]: r["v"] for r in pipeline.catalog.load_table(f"{name}_public.orders").scan().to_arrow().to_pylist()}
     assert rows[100000] == "written while dagster runs" and rows[1] == "updated"
     assert_mirrored(pipeline)
+
+
+def _runs_since(instance: DagsterInstance, since: float, written_at: float) -> str:
+    """The runs created after ``since`` (seconds relative to the write, status, tags): what to read when
+    the write took two runs."""
+    records = instance.get_run_records(filters=RunsFilter(created_after=datetime.fromtimestamp(since, UTC)))
+    lines = [
+        f"{record.create_timestamp.timestamp() - written_at:+.1f} s {record.dagster_run.job_name} "
+        f"{record.dagster_run.status.value} {dict(record.dagster_run.tags)}"
+        for record in sorted(records, key=lambda record: record.create_timestamp)
+    ]
+    return "runs created in the 2 minutes before the write and since (seconds from it):\n" + "\n".join(lines)
 
 
 def _settled(instance: DagsterInstance, live: list[AssetKey]) -> bool:
