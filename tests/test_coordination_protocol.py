@@ -11,6 +11,7 @@ import inspect
 import itertools
 import sys
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from pg2iceberg_dagster.materializer import merge as merge_module
 from pg2iceberg_dagster.materializer.merge import Materializer
 from pg2iceberg_dagster.staging.store import ObjectStore
 from pg2iceberg_dagster.tables import MirroredTables
+
+from .conftest import SourceDb
 
 Store = InMemoryCoordinationStore | CoordinationStore
 
@@ -258,6 +261,27 @@ def test_writer_lease_is_exclusive_per_group_and_table(backend: Backend) -> None
     with pytest.raises(RuntimeError), store.writer_lease("g", "public.a", "worker-1"):
         raise RuntimeError("the merge failed")
     assert take_in_thread("g", "public.a") is None, "released when the body raises"
+
+
+def test_a_writer_lease_whose_session_was_lost_is_released_with_it(source: SourceDb) -> None:
+    """A lease's session ended by the server mid-merge (a restart, an administrator) releases the lease,
+    and the store's next lease takes a new session instead of the dead one."""
+    target = source.config(["public.t"]).state_connection
+    with CoordinationStore(target) as store, CoordinationStore(target) as other:
+        store.migrate()
+        with store.writer_lease("g", "public.a", "worker-1"):
+            holders = other.conn.execute(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objid::bigint = %s",
+                (zlib.crc32(b"pg2iceberg:materialize:g:public.a"),),
+            ).fetchall()
+            assert len(holders) == 1
+            other.conn.execute("SELECT pg_terminate_backend(%s, 5000)", (holders[0][0],))
+        busy = pytest.raises(LeaseBusyError, match="worker-2")
+        with other.writer_lease("g", "public.a", "worker-2"), busy, store.writer_lease("g", "public.a", "worker-1"):
+            pass  # released: the other store took it
+        busy = pytest.raises(LeaseBusyError, match="worker-1")
+        with store.writer_lease("g", "public.a", "worker-1"), busy, other.writer_lease("g", "public.a", "worker-2"):
+            pass  # and this store's next lease holds it on a live session
 
 
 def test_cleanup_drops_entries_below_the_slowest_cursor(backend: Backend) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import psycopg
 
@@ -30,6 +31,16 @@ from .records import (
 def snapshot_holder_lock(slot: str) -> int:
     """The advisory lock a snapshot holder holds while it lives (see snapshot.holder)."""
     return zlib.crc32(f"pg2iceberg:snapshot-holder:{slot}".encode()) & 0x7FFFFFFF
+
+
+_TABLE_STATE_QUERY = (
+    "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text, snapshot_epoch, "
+    "resync_reason, resync_epoch FROM _pg2iceberg.tables"
+)
+
+
+def _table_state(row: tuple[Any, ...]) -> TableState:
+    return TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), *row[5:])
 
 
 def _lsn(value: str | None) -> int | None:
@@ -150,16 +161,12 @@ class CoordinationStore:
     # per-table snapshot state -------------------------------------------------------------------
 
     def table_states(self) -> dict[str, TableState]:
-        return {
-            row[0]: TableState(row[0], row[1], row[2], row[3], _lsn(row[4]), *row[5:])
-            for row in self.conn.execute(
-                "SELECT table_name, pg_oid, iceberg_table, snapshot_complete, snapshot_lsn::text, "
-                "snapshot_epoch, resync_reason, resync_epoch FROM _pg2iceberg.tables"
-            )
-        }
+        return {row[0]: _table_state(row) for row in self.conn.execute(_TABLE_STATE_QUERY)}
 
     def table_state(self, table_name: str) -> TableState | None:
-        return self.table_states().get(table_name)
+        """One table's state (a merge reads it twice: one row, not every table's)."""
+        row = self.conn.execute(_TABLE_STATE_QUERY + " WHERE table_name = %s", (table_name,)).fetchone()
+        return None if row is None else _table_state(row)
 
     # the replication slot's readings (wal_budget.py) ----------------------------------------------
 
@@ -327,25 +334,35 @@ class CoordinationStore:
     @contextlib.contextmanager
     def table_snapshot_lock(self, table_name: str) -> Iterator[None]:
         """Serialize a table's epoch changes and chunk commits across processes (a session advisory
-        lock on a connection of its own, released even on a crash). The connection is kept for the
-        next lock once this one is released (a snapshot takes two per table: a new session each would
-        cost the state database a backend start each); on any error it is closed, which releases
-        whatever its session holds."""
+        lock on a connection of its own, released even on a crash; see :meth:`_lock_session`)."""
         lock_key = zlib.crc32(f"pg2iceberg:snapshot-table:{table_name}".encode())
-        try:
-            lock_conn = self._idle_lock_conns.pop()  # atomic: threads never share one
-        except IndexError:
-            lock_conn = connect(self.target)
-        try:
+        with self._lock_session() as lock_conn:
             lock_conn.execute("SELECT pg_advisory_lock(%s)", (lock_key,))
             try:
                 yield
             finally:
                 lock_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
+
+    @contextlib.contextmanager
+    def _lock_session(self) -> Iterator[psycopg.Connection]:
+        """A connection of this store's own to hold session advisory locks on, lent to one thread at a
+        time (a lock taken on it again is then another session's, never a re-entry). It is kept for
+        the next lock once given back healthy: a snapshot takes two locks a table and a merge one, and
+        a new session each would cost the state database a backend start each. On any error it is
+        closed, which releases whatever its session holds."""
+        try:
+            conn = self._idle_lock_conns.pop()  # atomic: threads never share one
+        except IndexError:
+            conn = connect(self.target)
+        try:
+            yield conn
         except BaseException:
-            lock_conn.close()
+            conn.close()
             raise
-        self._idle_lock_conns.append(lock_conn)
+        if conn.broken or conn.closed:
+            conn.close()
+        else:
+            self._idle_lock_conns.append(conn)
 
     # staged log ----------------------------------------------------------------------------------
 
@@ -520,31 +537,28 @@ class CoordinationStore:
 
     @contextlib.contextmanager
     def writer_lease(self, group: str, table_name: str, worker_id: str) -> Iterator[None]:
-        """Hold the single-writer lease of a table: a session advisory lock, released even on a crash."""
+        """Hold the single-writer lease of a table: a session advisory lock (see :meth:`_lock_session`),
+        released even on a crash."""
         lock_key = zlib.crc32(f"pg2iceberg:materialize:{group}:{table_name}".encode())
-        lease_conn = connect(self.target)
-        acquired = None
-        try:
+        with self._lock_session() as lease_conn:
             acquired = lease_conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key,)).fetchone()
-            if not acquired or not acquired[0]:
-                holder = self.conn.execute(
-                    "SELECT worker_id FROM _pg2iceberg.consumer WHERE group_name = %s AND table_name = %s",
-                    (group, table_name),
-                ).fetchone()
-                raise LeaseBusyError(
-                    f"{table_name} is being materialized by {holder[0] if holder else 'another worker'}"
-                )
-            lease_conn.execute(
-                "INSERT INTO _pg2iceberg.consumer (group_name, table_name, worker_id) VALUES (%s, %s, %s) "
-                "ON CONFLICT (group_name, table_name) DO UPDATE SET worker_id = EXCLUDED.worker_id, "
-                "acquired_at = now(), heartbeat_at = now()",
-                (group, table_name, worker_id),
-            )
-            yield
-        finally:
             if acquired and acquired[0]:
-                # Released now: on close the server drops the lock only when its backend has exited,
-                # after close() returns, and a merge that starts right away would find it still held.
-                with contextlib.suppress(psycopg.Error):
-                    lease_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
-            lease_conn.close()
+                lease_conn.execute(
+                    "INSERT INTO _pg2iceberg.consumer (group_name, table_name, worker_id) VALUES (%s, %s, %s) "
+                    "ON CONFLICT (group_name, table_name) DO UPDATE SET worker_id = EXCLUDED.worker_id, "
+                    "acquired_at = now(), heartbeat_at = now()",
+                    (group, table_name, worker_id),
+                )
+                try:
+                    yield
+                finally:
+                    try:
+                        lease_conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
+                    except psycopg.Error:
+                        lease_conn.close()  # not kept: its lock goes with its backend
+                return
+        holder = self.conn.execute(
+            "SELECT worker_id FROM _pg2iceberg.consumer WHERE group_name = %s AND table_name = %s",
+            (group, table_name),
+        ).fetchone()
+        raise LeaseBusyError(f"{table_name} is being materialized by {holder[0] if holder else 'another worker'}")
