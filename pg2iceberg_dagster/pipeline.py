@@ -24,6 +24,7 @@ from .coordination.store import CoordinationStore
 from .cuts import Cut, latest_cut, take_cut
 from .errors import ConfigError, StagingError
 from .flusher.flusher import Flusher, FlushStats
+from .flusher.priority import FlushFirst
 from .iceberg.catalog import align_delete_formats, open_catalog
 from .maintenance import Maintainer, MaintenanceResult, TableHealth, compaction_due, measured_health, summary_health
 from .materializer.merge import Materializer, MergeResult
@@ -252,9 +253,11 @@ class Pipeline:
         max_seconds: float | None = None,
         on_flush: Any = None,
         merge_idle: threading.Event | None = None,
+        flush_first: FlushFirst | None = None,
     ) -> FlushStats:
         """Run the flusher (see :meth:`Flusher.run`); ``merge_idle`` is set by a materializer waiting
-        for the next flush, which then comes sooner (``flush.min_interval_seconds``)."""
+        for the next flush, which then comes sooner (``flush.min_interval_seconds``); ``flush_first``
+        is held while each flush is written, for this process's merges to wait."""
         report = self.validate()
         with contextlib.closing(CoordinationStore(self.config.state_connection)) as store:
             flusher = Flusher(self.config, store, self.objects, self.tables, report.tables)
@@ -265,6 +268,7 @@ class Pipeline:
                     max_seconds=max_seconds,
                     on_flush=on_flush,
                     merge_idle=merge_idle,
+                    flush_first=flush_first,
                 )
             except StagingError as exc:
                 raise StagingError(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from .config import PipelineConfig
 from .coordination.records import is_repair
 from .coordination.store import CoordinationStore
+from .flusher.priority import FlushFirst
 from .maintenance import Maintainer, MaintenanceResult
 from .materializer.merge import MergeResult
 from .metrics import PipelineMetrics
@@ -43,7 +44,9 @@ def run(
     ``flush.min_interval_seconds`` after its previous flush rather than ``flush.interval_seconds``:
     a change waits for the merge in progress (or that minimum, whichever is longer) and its own
     merge, not for a flush interval or a polling period. While a merge runs, commits gather for the
-    flush made when it ends. The Spark session is created once and lives as long as the process.
+    flush made when it ends. A flush being written goes ahead of the next table's merge (see
+    :mod:`.flusher.priority`): the flusher and the merges share one interpreter. The Spark session
+    is created once and lives as long as the process.
 
     The first run snapshots every table before it streams (the snapshot creates the slot). Once a
     table is mirrored, tables still to snapshot (added to the config since) are snapshotted in the
@@ -57,10 +60,11 @@ def run(
     errors: list[BaseException] = []
     staged = threading.Event()
     merge_idle = threading.Event()  # set while the loop below waits: a flush now is merged at once
+    flush_first = FlushFirst()  # a flush being written goes ahead of the next table's merge
 
     def stream() -> None:
         try:
-            pipeline.stream(stop, on_flush=lambda _stats: staged.set(), merge_idle=merge_idle)
+            pipeline.stream(stop, on_flush=lambda _stats: staged.set(), merge_idle=merge_idle, flush_first=flush_first)
         except BaseException as exc:  # surfaced to the main loop
             errors.append(exc)
             stop.set()
@@ -84,7 +88,7 @@ def run(
     try:
         while not stop.is_set():
             staged.clear()  # a flush during the merge below sets it again: merge right after
-            results = materializer.run_once()
+            results = materializer.run_once(before_each=flush_first.wait)
             pipeline.metrics.record_merges(results)
             progress.after_merges(results)
             if upkeep is not None:

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -43,6 +44,7 @@ from ..tables import MirroredTables
 from .batch import RelationInfo, truncate_marker
 from .generated import GeneratedValues, describe_generated
 from .moved_in import MovedInValues
+from .priority import FlushFirst
 from .window import RelationLog, StagedWriter
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class _RunState:
     on_flush: Callable[[FlushStats], None] | None
     last_flush: float  # time.monotonic() of the last flush (or of the start)
     merge_idle: threading.Event | None  # set while a merge would start on the next flush (``run``)
+    flush_first: FlushFirst | None  # merges in this process wait while a flush is written (``run``)
     in_transaction: bool = False
     commit_ts: int = 0  # of the open transaction, in Unix microseconds
     xid: int = 0  # of the open transaction
@@ -133,13 +136,15 @@ class Flusher:
         max_seconds: float | None = None,
         on_flush: Callable[[FlushStats], None] | None = None,
         merge_idle: threading.Event | None = None,
+        flush_first: FlushFirst | None = None,
     ) -> FlushStats:
         """Stream until ``stop`` is set, the time budget ends, or (``until_caught_up``) the WAL position
         at the start has been flushed. Everything received and committed is flushed before returning.
 
         ``merge_idle``, set by a materializer while it waits for the next flush, lets committed changes
         be flushed ``flush.min_interval_seconds`` after the previous flush instead of
-        ``flush.interval_seconds`` (see :meth:`_flush_due`)."""
+        ``flush.interval_seconds`` (see :meth:`_flush_due`). ``flush_first``: held while each flush
+        is written, for the merges of this process to wait (see :mod:`.priority`)."""
         stop = stop or threading.Event()
         start_lsn = self.store.flushed_lsn()
         if start_lsn is None:
@@ -171,6 +176,7 @@ class Flusher:
                 on_flush=on_flush,
                 last_flush=last_flush,
                 merge_idle=merge_idle,
+                flush_first=flush_first,
             )
             try:
                 self._stream(run)
@@ -282,9 +288,10 @@ class Flusher:
         if run.pending_end_lsn is None:
             return
         end_lsn = run.pending_end_lsn
-        files = run.writer.finish()
-        crash_point("flusher.after_upload")
-        self.store.register_flush(files, end_lsn)
+        with run.flush_first.flushing() if run.flush_first is not None else nullcontext():
+            files = run.writer.finish()
+            crash_point("flusher.after_upload")
+            self.store.register_flush(files, end_lsn)
         crash_point("flusher.after_register")
         run.stream.ack(end_lsn)
         _count_flush(run.stats, files)

@@ -781,13 +781,16 @@ class Materializer:
             crash_point("materializer.after_fill")
             clear_pending_fills(self.catalog.load_table(identifier), [fill.field_id for fill in fills])
 
-    def run_once(self, table_keys: list[str] | None = None) -> dict[str, MergeResult]:
+    def run_once(
+        self, table_keys: list[str] | None = None, before_each: Callable[[], None] | None = None
+    ) -> dict[str, MergeResult]:
         """Bring every (or the given) table up to its current head, the oldest unmerged change first;
-        a table's failure is raised once the others have merged."""
+        a table's failure is raised once the others have merged. ``before_each`` is called before
+        each table's merge starts (``run``: a flush being written goes first)."""
         keys = self.oldest_change_first(table_keys or list(self.tables))
         results: dict[str, MergeResult] = {}
         errors: list[Exception] = []
-        for key, outcome in self.merge_tables(keys):
+        for key, outcome in self.merge_tables(keys, before_each=before_each):
             if isinstance(outcome, Exception):
                 errors.append(outcome)
             else:
@@ -796,26 +799,29 @@ class Materializer:
             raise errors[0]
         return {key: results[key] for key in keys}
 
-    def merge_tables(self, table_keys: list[str], rounds: int = 1) -> Iterator[tuple[str, MergeResult | Exception]]:
+    def merge_tables(
+        self, table_keys: list[str], rounds: int = 1, before_each: Callable[[], None] | None = None
+    ) -> Iterator[tuple[str, MergeResult | Exception]]:
         """Merge each table (see :meth:`materialize_table`), up to ``materialize.parallelism`` at once
         on the one Spark session, started in the given order; yields each table with its result, or
         the error its merge raised, as it ends. Each concurrent merge runs on a lane: a materializer
-        with connections of its own (to the state database and the source) and this one's Spark."""
+        with connections of its own (to the state database and the source) and this one's Spark.
+        ``before_each`` is called before each table's merge starts."""
+
+        def merge(materializer: Materializer, key: str) -> MergeResult:
+            if before_each is not None:
+                before_each()
+            return materializer.materialize_table(key, rounds=rounds)
+
         count = min(self.config.materialize.parallelism, len(table_keys))
         if count <= 1:
             for key in table_keys:
                 try:
-                    yield key, self.materialize_table(key, rounds=rounds)
+                    yield key, merge(self, key)
                 except Exception as exc:  # reported to the caller, like a lane's
                     yield key, exc
             return
-        yield from on_lanes(
-            table_keys,
-            count,
-            self._open_lane,
-            Materializer._close_lane,
-            lambda lane, key: lane.materialize_table(key, rounds=rounds),
-        )
+        yield from on_lanes(table_keys, count, self._open_lane, Materializer._close_lane, merge)
 
     def _open_lane(self) -> Materializer:
         """A materializer for one worker thread: this one's catalog, Spark and findings, its own connections."""
