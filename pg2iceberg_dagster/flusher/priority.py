@@ -1,11 +1,11 @@
 """A flush goes ahead of merges starting in the same process (``run``).
 
 ``run`` streams and merges in one interpreter, and only one of its threads runs Python at a time.
-Beside four merge lanes a flush of 200 tables' files got about a fifth of it and took 1.7 s instead
-of about 0.4 (``bench.tables --modes run``: commit -> staged p99 8.8 s at a 5 s flush interval),
-and every change it carried waited that long. While a flush is written, merges do not start their
-next table: the flush has the interpreter to itself once the merges in progress end, and the
-merges lose no time overall (the same work, in another order).
+Beside four merge lanes a flush of 200 tables' files took 1.55 s at the median (``bench.tables
+--modes run``), and every change it carried waited that long. While a flush is written, merges do
+not start their next table: the flush has the interpreter to itself once the merges in progress
+end (0.48 s at the median in the same bench: commit -> staged p99 6.3 s from 8.9), and the merges
+do the same work in another order.
 """
 
 from __future__ import annotations
