@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_SECONDS = 300
 TABLES = ("orders", "customers")
 FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+RUNS_BEFORE_WRITE_SECONDS = 120  # how far back a failure lists the runs around the write
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
 
         _wait(lambda: all(merged(key) for key in live), "an automated merge of the write", log)
         assert len({merged(key).run_id for key in live}) == 1, (
-            f"both lagging tables merged by one run; {_runs_since(instance, written_at - 120, written_at)}"
+            f"both lagging tables merged by one run; {_runs_around(instance, written_at)}"
         )
     pipeline = source.pipeline(source.config([f"public.{table}" for table in TABLES]))
     rows = {r["id"]: r["v"] for r in pipeline.catalog.load_table(f"{name}_public.orders").scan().to_arrow().to_pylist()}
@@ -125,16 +126,18 @@ def test_a_source_write_lands_in_iceberg_with_nobody_clicking(
     assert_mirrored(pipeline)
 
 
-def _runs_since(instance: DagsterInstance, since: float, written_at: float) -> str:
-    """The runs created after ``since`` (seconds relative to the write, status, tags): what to read when
-    the write took two runs."""
-    records = instance.get_run_records(filters=RunsFilter(created_after=datetime.fromtimestamp(since, UTC)))
+def _runs_around(instance: DagsterInstance, written_at: float) -> str:
+    """The runs created from ``RUNS_BEFORE_WRITE_SECONDS`` before the write on (seconds from it, status,
+    tags): what to read when the write took two runs."""
+    since = datetime.fromtimestamp(written_at - RUNS_BEFORE_WRITE_SECONDS, UTC)
+    records = instance.get_run_records(filters=RunsFilter(created_after=since))
     lines = [
         f"{record.create_timestamp.timestamp() - written_at:+.1f} s {record.dagster_run.job_name} "
         f"{record.dagster_run.status.value} {dict(record.dagster_run.tags)}"
         for record in sorted(records, key=lambda record: record.create_timestamp)
     ]
-    return "runs created in the 2 minutes before the write and since (seconds from it):\n" + "\n".join(lines)
+    heading = f"runs created in the {RUNS_BEFORE_WRITE_SECONDS} s before the write and since (seconds from it):"
+    return "\n".join([heading, *lines])
 
 
 def _settled(instance: DagsterInstance, live: list[AssetKey]) -> bool:
