@@ -5,7 +5,10 @@ stay on Spark."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from pyiceberg.avro.file import AvroFile
 
 from pg2iceberg_dagster.coordination.store import CoordinationStore
 from pg2iceberg_dagster.pipeline import Pipeline
@@ -165,3 +168,26 @@ def test_merges_of_a_copy_on_write_table_keep_its_manifest_list_bounded_and_its_
     table = pipeline.catalog.load_table(table_id)
     for snapshot_id, rows in held.items():
         assert sorted(table.scan(snapshot_id=snapshot_id).to_arrow().to_pylist(), key=lambda row: row["id"]) == rows
+
+
+def test_merges_read_each_manifest_and_manifest_list_once(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Manifests and manifest lists never change once written (iceberg/manifests.py): a merge's scan
+    and overwrite, and every later merge, read each one once, and the table still equals the source
+    after every merge (a merge used to read its table's list and manifests three times each)."""
+    pipeline = _mirrored(source, "CREATE TABLE public.items (id int PRIMARY KEY, v text)", COW)
+    opened: list[str] = []
+    enter = AvroFile.__enter__
+
+    def counted(avro: AvroFile[Any]) -> AvroFile[Any]:
+        opened.append(avro.input_file.location)
+        return enter(avro)
+
+    monkeypatch.setattr(AvroFile, "__enter__", counted)
+    for merge in range(4):
+        source.execute(f"UPDATE public.items SET v = 'merge {merge}' WHERE id % 4 = {merge}")
+        source.execute(f"DELETE FROM public.items WHERE id = {merge + 10}")
+        assert _merged(pipeline) == (1, 1)
+        assert_mirrored(pipeline)
+    assert opened, "no manifest read: the merges did not go through pyiceberg"
+    read_again = sorted({location for location in opened if opened.count(location) > 1})
+    assert not read_again, read_again

@@ -36,6 +36,7 @@ from .change_metadata import ensure_configured_columns
 from .delete_formats import DESCRIBED, align_table, format_of, format_properties
 from .evolution import attnum_properties
 from .layout import initial_layout
+from .manifests import read_manifests_once
 from .types import iceberg_schema
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def _jdbc_url(pg: PostgresConnection) -> str:
 
 def open_catalog(config: PipelineConfig) -> Catalog:
     """The pyiceberg catalog; its name must match Spark's (the SQL catalog stores it per table)."""
+    read_manifests_once()
     try:
         return load_catalog(config.iceberg.catalog.name, **catalog_properties(config))
     except (IntegrityError, ProgrammingError):
