@@ -82,8 +82,11 @@ class _WeightedLru(Generic[_Key, _Value]):
         return value
 
 
-_entries: _WeightedLru[tuple[str, int, int | None, int], tuple[ManifestEntry, ...]] = _WeightedLru(ENTRY_BUDGET, len)
-_lists: _WeightedLru[str, tuple[ManifestFile, ...]] = _WeightedLru(LIST_BUDGET, len)
+# One more than their length: an empty manifest or list still counts, so the budget bounds their number too.
+_entries: _WeightedLru[tuple[str, int, int | None, int], tuple[ManifestEntry, ...]] = _WeightedLru(
+    ENTRY_BUDGET, lambda entries: 1 + len(entries)
+)
+_lists: _WeightedLru[str, tuple[ManifestFile, ...]] = _WeightedLru(LIST_BUDGET, lambda manifests: 1 + len(manifests))
 _schemas: _WeightedLru[str, Schema] = _WeightedLru(SCHEMA_BUDGET, lambda _: 1)
 # By the identities of the schemas, which the value holds: an id is not reused while its entry is kept.
 _ReaderKey = tuple[int, int, tuple[tuple[int, object], ...], tuple[tuple[int, object], ...]]
