@@ -70,7 +70,8 @@ def _delete_unregistered(objects: ObjectStore, folder: str, registered: set[str]
     deleted = 0
     for key in objects.files_in(folder):
         lsn = staged_file_lsn(key)
-        # A file newer than flushed_lsn may belong to a flush that is registering right now.
+        # A file named above flushed_lsn (its last commit, see staged_file_key) may belong to a flush
+        # that is registering right now.
         if key not in registered and lsn is not None and lsn <= flushed:
             objects.delete(key)
             deleted += 1

@@ -10,7 +10,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 import yaml
 
@@ -69,6 +71,38 @@ def test_crash_between_staging_and_registration(source: SourceDb, monkeypatch: p
     assert_mirrored(pipeline)
 
     assert pipeline.collect_garbage().files_deleted >= 1
+
+
+def test_cleanup_between_a_flushs_upload_and_its_registration_keeps_its_files(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction begun before the flushed LSN last moved has changes below it. Cleanup running
+    while its flush is between upload and registration (`run` sweeps between merges) took its file
+    for an orphan, as the file was named by its last change, and the merge then found it gone."""
+    _orders(source, 100)
+    pipeline = source.pipeline(source.config(["public.orders"]))
+    pipeline.snapshot()
+    with psycopg.connect(source.conninfo) as open_transaction:
+        open_transaction.execute("UPDATE public.orders SET v = 'long' WHERE id <= 20")
+        source.execute("UPDATE public.orders SET v = 'short' WHERE id > 90")  # its commit flushes the WAL
+        pipeline.stream(until_caught_up=True)  # the flushed LSN moves past the open transaction's changes
+        flushed = pipeline.store.flushed_lsn() or 0
+        open_transaction.commit()
+    register = CoordinationStore.register_flush
+    swept: list[int] = []
+
+    def swept_first(store: CoordinationStore, *args: Any, **kwargs: Any) -> Any:
+        swept.append(pipeline.collect_garbage().files_deleted)
+        return register(store, *args, **kwargs)
+
+    monkeypatch.setattr(CoordinationStore, "register_flush", swept_first)
+    pipeline.stream(until_caught_up=True)
+    monkeypatch.undo()
+    (entry,) = pipeline.store.log_entries("public.orders", 10)  # after the 10 rows of the first flush
+    assert entry.first_lsn < flushed, "the test's transaction did not begin below the flushed LSN"
+    assert swept == [0]
+    sync(pipeline)
+    assert_mirrored(pipeline)
 
 
 def test_crash_between_registration_and_ack(source: SourceDb, monkeypatch: pytest.MonkeyPatch) -> None:

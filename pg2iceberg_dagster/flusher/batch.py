@@ -108,6 +108,8 @@ class EncodedSegment:
     first_lsn: int
     last_lsn: int
     first_commit_us: int | None = None  # the earliest source commit time of its changes (Unix microseconds)
+    # The latest commit end of its transactions, where the batch knows them: what names the file.
+    last_commit_lsn: int | None = None
 
 
 def bulk_is_cheaper(rows: int, width: int) -> bool:
@@ -239,6 +241,7 @@ class MessageBatch:
             first_lsn=lsns[0].as_py(),
             last_lsn=pc.max(lsns).as_py(),
             first_commit_us=pc.min(pc.take(self.ts, rows)).as_py(),
+            last_commit_lsn=pc.max(pc.take(self.commit_lsns, rows)).as_py() if self.commit_lsns is not None else None,
         )
 
     def _commits(self, rows: pa.Array) -> tuple[pa.Array, pa.Array] | None:

@@ -276,7 +276,10 @@ class StagedWriter:
         """The staged file of ``rows`` of one table, and its bytes."""
         table = info.relation.table
         encoded = batch.encode(info, rows, self._complete)
-        key = staged_file_key(self._locations[table], encoded.last_lsn)
+        # Named by its last commit, not its last change: a transaction begun before the flushed LSN was
+        # last moved has changes below it, and cleanup takes an unregistered file named at or below the
+        # flushed LSN for an orphan (it deleted such a file between this upload and its registration).
+        key = staged_file_key(self._locations[table], max(encoded.last_lsn, encoded.last_commit_lsn or 0))
         staged = StagedFile(
             table, key, encoded.rows, len(encoded.data), encoded.first_lsn, encoded.last_lsn, encoded.first_commit_us
         )

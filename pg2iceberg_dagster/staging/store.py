@@ -36,8 +36,9 @@ def legacy_table_location(table: str) -> str | None:
 
 
 def staged_file_key(location: str, lsn: int) -> str:
-    """Where a staged file whose last change is at ``lsn`` goes in the table folder ``location`` (see
-    :func:`table_location`): ``<location>/<LSN hex>-<id>.parquet``."""
+    """Where a staged file whose last transaction's commit ends at ``lsn`` goes in the table folder
+    ``location`` (see :func:`table_location`): ``<location>/<LSN hex>-<id>.parquet``. The flusher stages
+    only commits past the flushed LSN, so a file not registered yet is always named above it."""
     return f"{location}/{lsn:016X}-{uuid.uuid4().hex[:12]}.parquet"
 
 
