@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.catalog import PY_CATALOG_IMPL, Catalog, load_catalog
 
 # Imported here, not by load_catalog on its first use: sqlalchemy.orm imported for the first time in
 # one thread while another runs a SQLAlchemy query fails that query ("partially initialized module
@@ -37,6 +37,7 @@ from .delete_formats import DESCRIBED, align_table, format_of, format_properties
 from .evolution import attnum_properties
 from .layout import initial_layout
 from .manifests import read_manifests_once
+from .sql_catalog import MirrorSqlCatalog
 from .types import iceberg_schema
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,12 @@ def shared_catalog_properties(config: PipelineConfig) -> dict[str, str]:
 
 
 def catalog_properties(config: PipelineConfig) -> dict[str, str]:
-    """pyiceberg's properties: the shared ones plus the catalog type (and a SQL catalog's database URL)."""
+    """pyiceberg's properties: the shared ones plus the catalog type (for a SQL catalog, pyiceberg's
+    own in :class:`.sql_catalog.MirrorSqlCatalog`, and its database URL)."""
     catalog = config.iceberg.catalog
     properties: dict[str, str] = {"type": catalog.type}
     if catalog.type == "sql":
+        properties = {PY_CATALOG_IMPL: f"{MirrorSqlCatalog.__module__}.{MirrorSqlCatalog.__qualname__}"}
         pg = config.catalog_connection
         # Give up as the config says, as every other connection does, instead of hanging on a host
         # that drops packets. Each server as a ``host`` parameter: SQLAlchemy hands libpq the list.
@@ -199,6 +202,15 @@ def _load_or_create(
     with contextlib.suppress(NamespaceAlreadyExistsError, IntegrityError):
         catalog.create_namespace(identifier[:1])
     return create()
+
+
+def refresh(table: Table) -> Table:
+    """``table.refresh()``: the table as the catalog holds it now. With the SQL catalog a look at its
+    row, and the metadata read again only when another writer moved it."""
+    catalog = table.catalog
+    if isinstance(catalog, MirrorSqlCatalog) and catalog.names_current(table):
+        return table
+    return table.refresh()
 
 
 def new_table_properties(config: PipelineConfig, mirrored: MirroredTable) -> dict[str, str]:

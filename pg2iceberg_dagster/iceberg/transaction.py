@@ -28,6 +28,7 @@ from pyiceberg.table.update import (  # pyiceberg is pinned: its metadata update
     TableUpdate,
     _apply_table_update,
     _TableMetadataUpdateContext,
+    _update_table_metadata_log,
 )
 from pyiceberg.table.update.snapshot import _OverwriteFiles  # pyiceberg is pinned: its overwrite, one hook changed
 from pyiceberg.utils.datetime import datetime_to_millis
@@ -46,19 +47,25 @@ class _MetadataOncePerChange(Transaction):
         computed = self._computed
         if computed is None or computed[0] is not base or computed[1] is not updates:
             # A commit retried against a refreshed table has a new base: computed again.
-            computed = self._computed = (base, updates, _staged_metadata(base, updates))
+            computed = self._computed = (base, updates, staged_metadata(base, updates))
         return computed[2]
 
 
-def _staged_metadata(base: TableMetadata, updates: tuple[TableUpdate, ...]) -> TableMetadata:
-    """pyiceberg's ``update_table_metadata(base, updates)`` less its final deep copy: the updates
-    build new models and share the untouched ones, all immutable."""
+def staged_metadata(
+    base: TableMetadata, updates: tuple[TableUpdate, ...], base_location: str | None = None
+) -> TableMetadata:
+    """pyiceberg's ``update_table_metadata(base, updates, metadata_location=base_location)`` less its
+    final deep copy: the updates build new models and share the untouched ones, all immutable.
+    ``base_location`` (a commit's staging): ``base`` is logged as the previous metadata file."""
     context = _TableMetadataUpdateContext()
     metadata = base
     for update in updates:
         metadata = _apply_table_update(update, metadata, context)
-    if context.has_changes() and base.last_updated_ms == metadata.last_updated_ms:
-        metadata = metadata.model_copy(update={"last_updated_ms": datetime_to_millis(datetime.now().astimezone())})
+    if context.has_changes():
+        if base_location is not None:
+            metadata = _update_table_metadata_log(metadata, base_location, base.last_updated_ms)
+        if base.last_updated_ms == metadata.last_updated_ms:
+            metadata = metadata.model_copy(update={"last_updated_ms": datetime_to_millis(datetime.now().astimezone())})
     metadata.spec().check_compatible(metadata.schema())
     metadata.sort_order().check_compatible(metadata.schema())
     return metadata

@@ -32,6 +32,7 @@ from pyiceberg.io.pyarrow import (  # pyiceberg is pinned: its delete rewrites f
 from pyiceberg.table import Table
 from pyiceberg.types import DateType, IntegerType, LongType, StringType
 
+from ..iceberg.catalog import refresh
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.key_filter import key_filter
 from ..iceberg.layout import sorted_rows
@@ -61,7 +62,7 @@ def append_rows(table: Table, rows: pa.Table, properties: Mapping[str, str]) -> 
     typed = as_table_rows(table.schema(), rows)
 
     def commit() -> None:
-        table.refresh()  # a concurrent commit (maintenance) is kept: appends commute with it
+        refresh(table)  # a concurrent commit (maintenance) is kept: appends commute with it
         with open_transaction(table) as appending:
             appending.append(sorted_rows(table.metadata, typed), snapshot_properties=dict(properties))
 
@@ -78,7 +79,7 @@ def replace_keys(table: Table, rows: pa.Table, key: Sequence[str], properties: M
     upserts = as_table_rows(table.schema(), rows.filter(pc.not_equal(rows.column(OP_COLUMN), DELETE)))
 
     def commit() -> None:
-        table.refresh()
+        refresh(table)
         doomed = key_filter(key, keys)
         keep = _expression_to_complementary_pyarrow(bind(table.schema(), doomed, case_sensitive=True), table.schema())
         touched, kept = [], [upserts]

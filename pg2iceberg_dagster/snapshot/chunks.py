@@ -19,7 +19,7 @@ from pyiceberg.table.metadata import TableMetadata
 
 from ..config import OutOfRange
 from ..coordination.records import Chunk
-from ..iceberg.catalog import snapshot_summaries
+from ..iceberg.catalog import refresh, snapshot_summaries
 from ..iceberg.commit import commit_with_retry
 from ..iceberg.evolution import no_pending_fills, source_files_properties
 from ..iceberg.layout import sorted_rows
@@ -161,7 +161,7 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
     """
 
     def commit() -> int | None:
-        table.refresh()
+        refresh(table)
         committed = committed_chunk_markers(table, epoch)
         todo = [written for written in chunks if chunk_marker(written.chunk) not in committed]
         if todo:

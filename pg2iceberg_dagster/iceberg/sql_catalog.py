@@ -1,0 +1,176 @@
+"""pyiceberg's SQL catalog, committing without reading back the table it was handed.
+
+A mirror commits to each of its tables every few seconds (merges, snapshot chunks), so what a
+commit costs beyond writing its metadata is paid per table and per merge. pyiceberg 0.12's
+``SqlCatalog.commit_table`` loads the table again first (its catalog row, then the whole metadata
+file parsed: it grows with the snapshots retained), stages the new metadata with a deep copy of it
+all, and runs each statement through SQLAlchemy's ORM. Here:
+
+- **The table is read again only when another writer moved it.** The committing table names the
+  metadata file it was loaded from; metadata files are written once, so while the catalog row still
+  names that file the table's own metadata *is* the current one. One ``SELECT`` of the row checks
+  that; the swap stays a compare-and-set on the row (``metadata_location`` as read), so a writer in
+  between still fails the commit (``CommitFailedException``, retried by the caller).
+- **No deep copy** of the metadata (see :func:`.transaction.staged_metadata`).
+- **Prepared Core statements** instead of an ORM session per statement.
+- **A new table's commit inserts its row without looking first**: the row's primary key refuses a
+  second one (``TableAlreadyExistsError``, as pyiceberg's).
+
+``open_catalog`` uses it for every SQL catalog; the tables, rows and files are pyiceberg's own.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.table import CommitTableResponse, StagedTable, Table
+from pyiceberg.table.locations import load_location_provider
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.update import AssertCreate, TableRequirement, TableUpdate
+from pyiceberg.typedef import Identifier
+from sqlalchemy import Select, Update, bindparam, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from .transaction import staged_metadata
+
+
+class MirrorSqlCatalog(SqlCatalog):
+    """``SqlCatalog`` whose commits and loads cost a row lookup, not a read of the table (see module)."""
+
+    _location_query: Select[tuple[str | None]] | None = None
+    _swap_statement: Update | None = None
+
+    def load_table(self, identifier: str | Identifier) -> Table:
+        """The table as its catalog row names it (``NoSuchTableError`` when there is none)."""
+        namespace, name = self._row_key(identifier)
+        location = self._metadata_location(namespace, name)
+        if location is None:
+            raise NoSuchTableError(f"Table does not exist: {namespace}.{name}")
+        return self._table_at(namespace, name, location)
+
+    def commit_table(
+        self, table: Table, requirements: tuple[TableRequirement, ...], updates: tuple[TableUpdate, ...]
+    ) -> CommitTableResponse:
+        """Commit ``updates`` to ``table`` if ``requirements`` hold on the catalog's current table."""
+        namespace, name = self._row_key(table.name())
+        current: Table | None = None
+        if not any(isinstance(requirement, AssertCreate) for requirement in requirements):
+            location = self._metadata_location(namespace, name)
+            if location == table.metadata_location:
+                current = table  # the file it was read from is still the current one
+            elif location is not None:
+                current = self._table_at(namespace, name, location)
+        staged = self._update_and_stage_table(current, table.name(), requirements, updates)
+        if current is not None and staged.metadata == current.metadata:
+            return CommitTableResponse(metadata=current.metadata, metadata_location=current.metadata_location)
+        self._write_metadata(staged.metadata, staged.io, staged.metadata_location)
+        with self.engine.begin() as connection:
+            if current is None:
+                try:
+                    connection.execute(
+                        insert(IcebergTables), [self._create_table_row(namespace, name, staged.metadata_location)]
+                    )
+                except IntegrityError as exc:
+                    raise TableAlreadyExistsError(f"Table {namespace}.{name} already exists") from exc
+            else:
+                swapped = connection.execute(
+                    self._swap(),
+                    {
+                        "row_catalog": self.name,
+                        "row_namespace": namespace,
+                        "row_name": name,
+                        "expected": current.metadata_location,
+                        "new_location": staged.metadata_location,
+                    },
+                )
+                if swapped.rowcount < 1:
+                    raise CommitFailedException(f"Table has been updated by another process: {namespace}.{name}")
+        return CommitTableResponse(metadata=staged.metadata, metadata_location=staged.metadata_location)
+
+    def names_current(self, table: Table) -> bool:
+        """Whether the table's catalog row still names the metadata file ``table`` was read from."""
+        return self._metadata_location(*self._row_key(table.name())) == table.metadata_location
+
+    def _update_and_stage_table(
+        self,
+        current_table: Table | None,
+        table_identifier: Identifier,
+        requirements: tuple[TableRequirement, ...],
+        updates: tuple[TableUpdate, ...],
+    ) -> StagedTable:
+        if current_table is None:  # a new table: pyiceberg's own staging, which validates it whole
+            return super()._update_and_stage_table(None, table_identifier, requirements, updates)
+        for requirement in requirements:
+            requirement.validate(current_table.metadata)
+        metadata = staged_metadata(current_table.metadata, updates, current_table.metadata_location)
+        version = self._parse_metadata_version(current_table.metadata_location) + 1
+        location = load_location_provider(metadata.location, metadata.properties).new_table_metadata_file_location(
+            version
+        )
+        return StagedTable(
+            identifier=table_identifier,
+            metadata=metadata,
+            metadata_location=location,
+            io=self._load_file_io(properties=metadata.properties, location=location),
+            catalog=self,
+        )
+
+    @staticmethod
+    @cache
+    def _empty_table_metadata() -> TableMetadata:
+        # The base a new table's creation is staged on (immutable, and rebuilt whole by the staging):
+        # building it asks pydantic for each default's signature, a fifth of a table's creation.
+        return SqlCatalog._empty_table_metadata()
+
+    @staticmethod
+    def _row_key(identifier: str | Identifier) -> tuple[str, str]:
+        return Catalog.namespace_to_string(Catalog.namespace_from(identifier)), Catalog.table_name_from(identifier)
+
+    def _metadata_location(self, namespace: str, name: str) -> str | None:
+        """The metadata file the table's catalog row names; None without a row."""
+        if self._location_query is None:
+            rows = IcebergTables.__table__.c
+            query = select(rows.metadata_location).where(
+                rows.catalog_name == bindparam("row_catalog"),
+                rows.table_namespace == bindparam("row_namespace"),
+                rows.table_name == bindparam("row_name"),
+            )
+            if (type_filter := self._iceberg_type_filter()) is not None:
+                query = query.where(type_filter)
+            self._location_query = query
+        with self.engine.connect() as connection:
+            parameters = {"row_catalog": self.name, "row_namespace": namespace, "row_name": name}
+            found: Any = connection.execute(self._location_query, parameters).first()
+        if found is None or not found[0]:
+            return None
+        return str(found[0])
+
+    def _swap(self) -> Update:
+        """The compare-and-set of a table's row from the metadata file a commit read to its new one."""
+        if self._swap_statement is None:
+            rows = IcebergTables.__table__.c
+            self._swap_statement = (
+                update(IcebergTables)
+                .where(
+                    rows.catalog_name == bindparam("row_catalog"),
+                    rows.table_namespace == bindparam("row_namespace"),
+                    rows.table_name == bindparam("row_name"),
+                    rows.metadata_location == bindparam("expected"),
+                )
+                .values(metadata_location=bindparam("new_location"), previous_metadata_location=bindparam("expected"))
+            )
+        return self._swap_statement
+
+    def _table_at(self, namespace: str, name: str, location: str) -> Table:
+        row = IcebergTables(
+            catalog_name=self.name,
+            table_namespace=namespace,
+            table_name=name,
+            metadata_location=location,
+            previous_metadata_location=None,
+        )
+        return self._convert_orm_to_iceberg(row)
