@@ -30,6 +30,7 @@ from pg2iceberg_dagster.run_loop import run
 from pg2iceberg_dagster.snapshot.chunks import WrittenChunk
 from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
 from pg2iceberg_dagster.source.catalog import SourceTable
+from pg2iceberg_dagster.threads import alongside
 
 CATALOG_DB = "iceberg_catalog"
 # `definitions.py` builds its module-level graph from $PG2ICEBERG_CONFIG, else it writes the
@@ -221,22 +222,8 @@ def sync(pipeline: Pipeline) -> None:
 @contextlib.contextmanager
 def _in_thread(target: Callable[[threading.Event], object]) -> Iterator[list[BaseException]]:
     """``target(stop)`` in a thread; yields the list of errors it raised; on exit sets ``stop`` and joins it."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            target(stop)
-        except BaseException as exc:  # surfaced to the test
-            errors.append(exc)
-
-    runner = threading.Thread(target=run, name="run", daemon=True)
-    runner.start()
-    try:
+    with alongside(target, "run") as (_, errors):
         yield errors
-    finally:
-        stop.set()
-        runner.join()
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ table takes no commit of its own before its rows."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from pyiceberg.types import IntegerType, NestedField, StringType
 
 from pg2iceberg_dagster.iceberg.evolution import SOURCE_FILE_NODE
 from pg2iceberg_dagster.iceberg.sql_catalog import MirrorSqlCatalog
+from pg2iceberg_dagster.snapshot import holder
 from pg2iceberg_dagster.snapshot.runner import SnapshotRunner
 
 from .conftest import Crash, SourceDb, assert_mirrored
@@ -117,3 +119,44 @@ def test_new_tables_go_where_their_namespace_says(
     for key in keys:
         identifier = pipeline.tables[key].iceberg
         assert pipeline.catalog.load_table(identifier).location() == f"{location}/{identifier[1]}", key
+
+
+def test_tables_planned_while_the_snapshot_is_exported_take_what_it_sees(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tables are planned (created, chunks stored) while the holder exports its snapshot. Between
+    their planning and the export one is rewritten (a new source file), one grows past its planned
+    pages and others change: every table equals the rows the snapshot saw, and records its file."""
+    keys = _tables(source)
+    planned: list[str] = []
+    before_the_export: list[bool] = []  # whether every table was planned before the slot's export
+    plan = SnapshotRunner.plan
+    create_slot = holder.create_slot_with_snapshot
+
+    def recorded(runner: SnapshotRunner, table: Any, *args: Any, **kwargs: Any) -> Any:
+        chunks = plan(runner, table, *args, **kwargs)
+        planned.append(table.key)
+        return chunks
+
+    def after_every_table_was_planned(*args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + 30
+        while len(planned) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before_the_export.append(len(planned) == len(keys))
+        source.execute("VACUUM FULL public.t1")
+        source.execute("INSERT INTO public.t0 SELECT g, 'late ' || g FROM generate_series(3001, 9000) g")
+        source.execute("UPDATE public.t2 SET v = v || '!'")
+        source.execute("DELETE FROM public.t3 WHERE id % 2 = 0")
+        return create_slot(*args, **kwargs)
+
+    monkeypatch.setattr(SnapshotRunner, "plan", recorded)
+    monkeypatch.setattr(holder, "create_slot_with_snapshot", after_every_table_was_planned)
+    pipeline = source.pipeline(source.config(keys))
+    results = pipeline.snapshot()
+    assert before_the_export == [True]
+    assert sorted(planned) == sorted(keys)  # and not again once the snapshot was exported
+    assert all(result.complete for result in results.values()), results
+    assert_mirrored(pipeline)
+    table = pipeline.catalog.load_table(pipeline.tables["public.t1"].iceberg)
+    (file_node,) = source.execute("SELECT relfilenode FROM pg_class WHERE oid = 'public.t1'::regclass")[0]
+    assert table.properties[SOURCE_FILE_NODE] == str(file_node)

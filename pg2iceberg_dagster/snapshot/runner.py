@@ -38,6 +38,7 @@ from ..source.catalog import SourceFiles, SourceTable, published_keys_seen_by, s
 from ..source.connection import connect
 from ..source.xid_snapshot import imported_snapshot
 from ..tables import MirroredTables
+from ..threads import alongside
 from ..validation import StartupReport
 from .chunks import (
     WrittenChunk,
@@ -133,6 +134,8 @@ class SnapshotRunner:
         self._writer_metadata: dict[str, TableMetadata] = {}
         self._commit_lock = threading.Lock()
         self._holder_thread: HolderThread | None = None
+        # Tables planned while the holder exported its snapshot (see _plan_ahead): entered without again.
+        self._planned_ahead: set[str] = set()
 
     def pending_tables(self) -> list[SourceTable]:
         """Configured tables whose snapshot is not complete."""
@@ -199,8 +202,9 @@ class SnapshotRunner:
     ) -> tuple[list[Chunk], bool]:
         epoch = snapshot.epoch
         files = source_files_seen_in(sessions.seen, table)
-        # Created with the epoch's properties, a new table needs no commit to enter the epoch.
-        self.plan(table, sessions.now, epoch_properties(files))
+        if table.key not in self._planned_ahead:
+            # Created with the epoch's properties, a new table needs no commit to enter the epoch.
+            self.plan(table, sessions.now, epoch_properties(files))
         iceberg = self._iceberg_table(table)
         restarted = False
         with self.store.table_snapshot_lock(table.key):
@@ -340,12 +344,30 @@ class SnapshotRunner:
         results = {table.key: TableSnapshotResult() for table in pending}
         if not pending:
             return results
-        with self.holding_snapshot(pending) as snapshot, source_sessions(self.config, snapshot) as sessions:
+        with (
+            self.holding_snapshot(pending, meanwhile=lambda exported: self._plan_ahead(pending, exported)) as snapshot,
+            source_sessions(self.config, snapshot) as sessions,
+        ):
             work = self._entered_chunks(pending, snapshot, sessions, results, on_plan)
             self.run_chunks(work, snapshot, results, on_chunk)
         for table in pending:
             results[table.key].complete = self.complete_if_done(table.key)
         return results
+
+    def _plan_ahead(self, tables: Sequence[SourceTable], exported: threading.Event) -> None:
+        """Plan ``tables`` in turn (each Iceberg table created, its chunks stored) until ``exported``
+        is set. Planning reads the source as it is now, so it need not wait for the holder's
+        snapshot; a table created with files the snapshot then does not see takes their properties
+        when it enters the epoch (:func:`.chunks.empty_for_epoch`). On a store and a source session of
+        its own: the thread waiting for the snapshot uses the runner's store meanwhile."""
+        with CoordinationStore(self.store.target) as store, connect(self.config.source) as source:
+            planner = SnapshotRunner(self.config, self.mirrored, store, self.report, self.catalog)
+            for table in tables:
+                if exported.is_set():
+                    return
+                planner.plan(table, source, epoch_properties(source_files_seen_in(source, table)))
+                self._tables[table.key] = planner._iceberg_table(table)
+                self._planned_ahead.add(table.key)
 
     def _entered_chunks(
         self,
@@ -414,12 +436,15 @@ class SnapshotRunner:
             )
 
     @contextmanager
-    def holding_snapshot(self, tables: Sequence[SourceTable]) -> Iterator[AdvertisedSnapshot]:
+    def holding_snapshot(
+        self, tables: Sequence[SourceTable], meanwhile: Callable[[threading.Event], None] | None = None
+    ) -> Iterator[AdvertisedSnapshot]:
         """The exported snapshot to read ``tables`` under, while this process counts as a snapshot worker.
 
         A live holder's snapshot is imported, unless it was exported before one of ``tables`` joined
         the publication (then its holder is waited for); otherwise a holder is started (a detached
-        process with ``detached_holder``, else a thread that stops on leaving) and its snapshot is awaited.
+        process with ``detached_holder``, else a thread that stops on leaving) and its snapshot is
+        awaited, ``meanwhile`` running in a thread until it is (given an event set then).
         """
         with working_on_snapshot(self.config):
             advertised = self._usable_advertised_snapshot(tables)
@@ -434,7 +459,11 @@ class SnapshotRunner:
                 alive = HolderThread(self.config, stop)
                 alive.start()
             try:
-                advertised = wait_for_advertised_snapshot(self.store, self.config, alive)
+                # meanwhile stops (its event set) once the wait ends.
+                with alongside(meanwhile or (lambda exported: None), "snapshot-plan-ahead") as (_, failures):
+                    advertised = wait_for_advertised_snapshot(self.store, self.config, alive)
+                if failures:
+                    raise failures[0]
                 if advertised is None:
                     reason = holder_error(alive).removeprefix("error: ")
                     why = f": {reason}. Then" if reason else ". Run that command by hand to see why, then"
