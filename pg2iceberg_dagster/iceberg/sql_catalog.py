@@ -41,8 +41,24 @@ from .transaction import staged_metadata
 class MirrorSqlCatalog(SqlCatalog):
     """``SqlCatalog`` whose commits and loads cost a row lookup, not a read of the table (see module)."""
 
-    _location_query: Select[tuple[str | None]] | None = None
-    _swap_statement: Update | None = None
+    def __init__(self, name: str, **properties: str) -> None:
+        super().__init__(name, **properties)
+        rows = IcebergTables.__table__.c
+        table_row = (
+            rows.catalog_name == bindparam("row_catalog"),
+            rows.table_namespace == bindparam("row_namespace"),
+            rows.table_name == bindparam("row_name"),
+        )
+        location = select(rows.metadata_location).where(*table_row)
+        if (type_filter := self._iceberg_type_filter()) is not None:  # known once the catalog's schema is read
+            location = location.where(type_filter)
+        self._location_query: Select[tuple[str | None]] = location
+        # The compare-and-set of a table's row from the metadata file a commit read to its new one.
+        self._swap: Update = (
+            update(IcebergTables)
+            .where(*table_row, rows.metadata_location == bindparam("expected"))
+            .values(metadata_location=bindparam("new_location"), previous_metadata_location=bindparam("expected"))
+        )
 
     def load_table(self, identifier: str | Identifier) -> Table:
         """The table as its catalog row names it (``NoSuchTableError`` when there is none)."""
@@ -78,7 +94,7 @@ class MirrorSqlCatalog(SqlCatalog):
                     raise TableAlreadyExistsError(f"Table {namespace}.{name} already exists") from exc
             else:
                 swapped = connection.execute(
-                    self._swap(),
+                    self._swap,
                     {
                         "row_catalog": self.name,
                         "row_namespace": namespace,
@@ -132,38 +148,12 @@ class MirrorSqlCatalog(SqlCatalog):
 
     def _metadata_location(self, namespace: str, name: str) -> str | None:
         """The metadata file the table's catalog row names; None without a row."""
-        if self._location_query is None:
-            rows = IcebergTables.__table__.c
-            query = select(rows.metadata_location).where(
-                rows.catalog_name == bindparam("row_catalog"),
-                rows.table_namespace == bindparam("row_namespace"),
-                rows.table_name == bindparam("row_name"),
-            )
-            if (type_filter := self._iceberg_type_filter()) is not None:
-                query = query.where(type_filter)
-            self._location_query = query
         with self.engine.connect() as connection:
             parameters = {"row_catalog": self.name, "row_namespace": namespace, "row_name": name}
             found: Any = connection.execute(self._location_query, parameters).first()
         if found is None or not found[0]:
             return None
         return str(found[0])
-
-    def _swap(self) -> Update:
-        """The compare-and-set of a table's row from the metadata file a commit read to its new one."""
-        if self._swap_statement is None:
-            rows = IcebergTables.__table__.c
-            self._swap_statement = (
-                update(IcebergTables)
-                .where(
-                    rows.catalog_name == bindparam("row_catalog"),
-                    rows.table_namespace == bindparam("row_namespace"),
-                    rows.table_name == bindparam("row_name"),
-                    rows.metadata_location == bindparam("expected"),
-                )
-                .values(metadata_location=bindparam("new_location"), previous_metadata_location=bindparam("expected"))
-            )
-        return self._swap_statement
 
     def _table_at(self, namespace: str, name: str, location: str) -> Table:
         row = IcebergTables(
