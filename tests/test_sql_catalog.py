@@ -4,6 +4,7 @@ on top of that writer's commit, never over it."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pyarrow as pa
@@ -59,12 +60,23 @@ def test_a_commit_or_refresh_of_a_current_table_reads_nothing_back(
         reads.append(input_file.location)
         return parse(input_file, *args, **kwargs)
 
+    looks: list[tuple[str, str]] = []
+    look = MirrorSqlCatalog._metadata_location
+
+    def counted_look(self: MirrorSqlCatalog, namespace: str, name: str) -> str | None:
+        looks.append((namespace, name))
+        return look(self, namespace, name)
+
     monkeypatch.setattr(FromInputFile, "table_metadata", staticmethod(counted))
-    for batch in ([1, 2], [3]):
-        refresh(table)  # as a merge does before it writes
-        with open_transaction(table) as transaction:
-            transaction.append(_rows(*batch))
+    monkeypatch.setattr(MirrorSqlCatalog, "_metadata_location", counted_look)
+    with open_transaction(table) as transaction:  # as a snapshot chunk commits
+        transaction.append(_rows(1))
+    assert looks == []  # swapped from the file it was read from, no look first
+    refresh(table)  # as a merge does before it writes
+    with open_transaction(table) as transaction:
+        transaction.append(_rows(2, 3))
     assert reads == []
+    assert len(looks) == 1  # the refresh's
     with open_transaction(theirs.load_table(identifier)) as transaction:
         transaction.append(_rows(4))
     reads.clear()
@@ -104,28 +116,64 @@ def test_a_commit_of_a_table_another_writer_moved_fails_or_lands_on_top(source: 
     assert other.metadata_location in _history(current)
 
 
-def test_a_writer_between_a_commits_look_and_its_swap_fails_it(
+def _their_append_after_write(
+    monkeypatch: pytest.MonkeyPatch, theirs: Catalog, identifier: tuple[str, str], nth: int
+) -> list[str]:
+    """Another writer appends right after this process's ``nth`` metadata file is written (before its
+    swap); returns the metadata files written here, then the other writer's file."""
+    write = MirrorSqlCatalog._write_metadata
+    written: list[str] = []
+    theirs_committing: list[bool] = []
+
+    def their_commit_after(metadata: Any, io: Any, location: str) -> None:
+        write(metadata, io, location)
+        if theirs_committing:
+            return
+        written.append(location)
+        if len(written) == nth:
+            theirs_committing.append(True)
+            other = theirs.load_table(identifier)
+            with open_transaction(other) as transaction:
+                transaction.append(_rows(1))
+            written.append(other.metadata_location)
+            theirs_committing.clear()
+
+    monkeypatch.setattr(MirrorSqlCatalog, "_write_metadata", staticmethod(their_commit_after))
+    return written
+
+
+def test_a_writer_before_a_current_tables_swap_is_kept_under_it(
     source: SourceDb, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mine, theirs, identifier = _catalogs(source, "raced")
     table = mine.load_table(identifier)
-    write = MirrorSqlCatalog._write_metadata
-    raced: list[str] = []
+    written = _their_append_after_write(monkeypatch, theirs, identifier, nth=1)
+    with open_transaction(table) as transaction:
+        transaction.set_properties({"owner": "mine"})
+    missed, their_file, landed = written  # the swap from the file read missed: staged on theirs
+    current = mine.load_table(identifier)
+    assert current.metadata_location == landed == table.metadata_location
+    assert current.properties["owner"] == "mine"
+    assert _ids(current) == [1]
+    assert their_file in _history(current)
+    assert missed not in _history(current)
+    assert not os.path.exists(missed.removeprefix("file://"))  # nothing names it: deleted again
 
-    def their_commit_first(*args: Any, **kwargs: Any) -> None:
-        write(*args, **kwargs)
-        if not raced:  # after this commit looked at the row, before it swaps it (not within theirs)
-            raced.append("")
-            other = theirs.load_table(identifier)
-            with open_transaction(other) as transaction:
-                transaction.append(_rows(1))
-            raced[0] = other.metadata_location
 
-    monkeypatch.setattr(MirrorSqlCatalog, "_write_metadata", staticmethod(their_commit_first))
+def test_a_writer_between_a_commits_look_and_its_swap_fails_it(
+    source: SourceDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine, theirs, identifier = _catalogs(source, "look")
+    table = mine.load_table(identifier)
+    with open_transaction(theirs.load_table(identifier)) as transaction:
+        transaction.set_properties({"first": "theirs"})  # the table is stale: the commit looks
+    written = _their_append_after_write(monkeypatch, theirs, identifier, nth=2)
     with pytest.raises(CommitFailedException), open_transaction(table) as transaction:
         transaction.set_properties({"owner": "mine"})
+    their_file = written[-1]
+    assert len(written) == 3  # the missed swap's file, the one staged after the look, theirs
     current = mine.load_table(identifier)
-    assert current.metadata_location == raced[0]
+    assert current.metadata_location == their_file
     assert "owner" not in current.properties
     assert _ids(current) == [1]
     # Retried on the table as it is now, the commit lands on theirs.

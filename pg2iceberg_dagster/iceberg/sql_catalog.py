@@ -8,9 +8,12 @@ all, and runs each statement through SQLAlchemy's ORM. Here:
 
 - **The table is read again only when another writer moved it.** The committing table names the
   metadata file it was loaded from; metadata files are written once, so while the catalog row still
-  names that file the table's own metadata *is* the current one. One ``SELECT`` of the row checks
-  that; the swap stays a compare-and-set on the row (``metadata_location`` as read), so a writer in
-  between still fails the commit (``CommitFailedException``, retried by the caller).
+  names that file the table's own metadata *is* the current one. The commit is staged on it and
+  swapped in by a compare-and-set of the row from that file, with no look first. When the row names
+  another file (the swap missed; the file just written is deleted again), the commit goes as
+  pyiceberg's: the current table loaded, the requirements checked on it, staged and swapped from
+  its file, and a writer in between that look and the swap fails the commit
+  (``CommitFailedException``, retried by the caller).
 - **No deep copy** of the metadata (see :func:`.transaction.staged_metadata`).
 - **Prepared Core statements** instead of an ORM session per statement.
 - **A new table's commit inserts its row without looking first**: the row's primary key refuses a
@@ -21,6 +24,7 @@ all, and runs each statement through SQLAlchemy's ORM. Here:
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from typing import Any
 
@@ -73,38 +77,70 @@ class MirrorSqlCatalog(SqlCatalog):
     ) -> CommitTableResponse:
         """Commit ``updates`` to ``table`` if ``requirements`` hold on the catalog's current table."""
         namespace, name = self._row_key(table.name())
-        current: Table | None = None
-        if not any(isinstance(requirement, AssertCreate) for requirement in requirements):
-            location = self._metadata_location(namespace, name)
-            if location == table.metadata_location:
-                current = table  # the file it was read from is still the current one
-            elif location is not None:
-                current = self._table_at(namespace, name, location)
-        staged = self._update_and_stage_table(current, table.name(), requirements, updates)
-        if current is not None and staged.metadata == current.metadata:
-            return CommitTableResponse(metadata=current.metadata, metadata_location=current.metadata_location)
+        if any(isinstance(requirement, AssertCreate) for requirement in requirements):
+            return self._create(table.name(), namespace, name, requirements, updates)
+        # Swapped from the file the table was read from, as it is when no other writer moved it.
+        committed = self._stage_and_swap(table, namespace, name, requirements, updates)
+        if committed is not None:
+            return committed
+        location = self._metadata_location(namespace, name)
+        if location is None:  # dropped meanwhile: as pyiceberg, the table's identity fails
+            raise CommitFailedException(f"Table {namespace}.{name} no longer exists")
+        committed = self._stage_and_swap(
+            self._table_at(namespace, name, location), namespace, name, requirements, updates
+        )
+        if committed is None:
+            raise CommitFailedException(f"Table has been updated by another process: {namespace}.{name}")
+        return committed
+
+    def _create(
+        self,
+        identifier: Identifier,
+        namespace: str,
+        name: str,
+        requirements: tuple[TableRequirement, ...],
+        updates: tuple[TableUpdate, ...],
+    ) -> CommitTableResponse:
+        staged = self._update_and_stage_table(None, identifier, requirements, updates)
+        self._write_metadata(staged.metadata, staged.io, staged.metadata_location)
+        try:
+            with self.engine.begin() as connection:
+                connection.execute(
+                    insert(IcebergTables), [self._create_table_row(namespace, name, staged.metadata_location)]
+                )
+        except IntegrityError as exc:
+            raise TableAlreadyExistsError(f"Table {namespace}.{name} already exists") from exc
+        return CommitTableResponse(metadata=staged.metadata, metadata_location=staged.metadata_location)
+
+    def _stage_and_swap(
+        self,
+        base: Table,
+        namespace: str,
+        name: str,
+        requirements: tuple[TableRequirement, ...],
+        updates: tuple[TableUpdate, ...],
+    ) -> CommitTableResponse | None:
+        """``updates`` staged on ``base``, its metadata written, and the row swapped from ``base``'s
+        file to it; None (the file deleted again) when the row named another file."""
+        staged = self._update_and_stage_table(base, base.name(), requirements, updates)
+        if staged.metadata == base.metadata:
+            return CommitTableResponse(metadata=base.metadata, metadata_location=base.metadata_location)
         self._write_metadata(staged.metadata, staged.io, staged.metadata_location)
         with self.engine.begin() as connection:
-            if current is None:
-                try:
-                    connection.execute(
-                        insert(IcebergTables), [self._create_table_row(namespace, name, staged.metadata_location)]
-                    )
-                except IntegrityError as exc:
-                    raise TableAlreadyExistsError(f"Table {namespace}.{name} already exists") from exc
-            else:
-                swapped = connection.execute(
-                    self._swap,
-                    {
-                        "row_catalog": self.name,
-                        "row_namespace": namespace,
-                        "row_name": name,
-                        "expected": current.metadata_location,
-                        "new_location": staged.metadata_location,
-                    },
-                )
-                if swapped.rowcount < 1:
-                    raise CommitFailedException(f"Table has been updated by another process: {namespace}.{name}")
+            swapped = connection.execute(
+                self._swap,
+                {
+                    "row_catalog": self.name,
+                    "row_namespace": namespace,
+                    "row_name": name,
+                    "expected": base.metadata_location,
+                    "new_location": staged.metadata_location,
+                },
+            )
+        if swapped.rowcount < 1:
+            with contextlib.suppress(OSError):  # nothing names it; a file left behind is only space
+                staged.io.delete(staged.metadata_location)
+            return None
         return CommitTableResponse(metadata=staged.metadata, metadata_location=staged.metadata_location)
 
     def names_current(self, table: Table) -> bool:

@@ -161,6 +161,8 @@ def commit_chunks(table: Table, chunks: list[WrittenChunk], epoch: int) -> int |
     """
 
     def commit() -> int | None:
+        # Looked at under the table's lock before the markers are: pyiceberg retries an append that
+        # found the table moved on the table read again, without looking at the markers.
         refresh(table)
         committed = committed_chunk_markers(table, epoch)
         todo = [written for written in chunks if chunk_marker(written.chunk) not in committed]
