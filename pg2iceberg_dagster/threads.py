@@ -1,10 +1,13 @@
-"""Work run in a thread of its own while a block runs, stopped and joined when the block ends."""
+"""Threads beside the caller: work run alongside a block, and a resource of each worker thread's own."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+Resource = TypeVar("Resource")
 
 
 @contextmanager
@@ -30,3 +33,40 @@ def alongside(
     finally:
         stop.set()
         thread.join()
+
+
+class PerThread(Generic[Resource]):
+    """A resource of each thread's own (a connection, say), opened on the thread's first call."""
+
+    def __init__(self, open_resource: Callable[[], Resource]) -> None:
+        self._open_resource = open_resource
+        self._local = threading.local()
+        self._opened: list[Resource] = []
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Resource:
+        resource: Resource | None = getattr(self._local, "resource", None)
+        if resource is None:
+            resource = self._local.resource = self._open_resource()
+            with self._lock:
+                self._opened.append(resource)
+        return resource
+
+    def opened(self) -> list[Resource]:
+        """Every resource opened so far, whichever thread opened it."""
+        with self._lock:
+            return list(self._opened)
+
+
+@contextmanager
+def per_thread(
+    open_resource: Callable[[], Resource], close_resource: Callable[[Resource], None]
+) -> Iterator[PerThread[Resource]]:
+    """A :class:`PerThread` of ``open_resource``; every resource it opened is closed on leaving (once
+    the threads using them are done)."""
+    resources = PerThread(open_resource)
+    try:
+        yield resources
+    finally:
+        for resource in resources.opened():
+            close_resource(resource)

@@ -7,15 +7,15 @@ scheduling, the Iceberg commit), which other merges can fill: four tables at a t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from ..config import PipelineConfig
 from ..coordination.store import CoordinationStore
 from ..source.connection import KeptConnection
+from ..threads import per_thread
 
 Item = TypeVar("Item")
 Lane = TypeVar("Lane")
@@ -38,27 +38,6 @@ class LaneConnections:
         self.store.close()
 
 
-class _LanePerThread(Generic[Lane]):
-    """The lane of each worker thread, opened on the thread's first item; all closed at the end."""
-
-    def __init__(self, open_lane: Callable[[], Lane]) -> None:
-        self._open_lane = open_lane
-        self._local = threading.local()
-        self._opened: list[Lane] = []
-        self._lock = threading.Lock()
-
-    def __call__(self) -> Lane:
-        lane = getattr(self._local, "lane", None)
-        if lane is None:
-            lane = self._local.lane = self._open_lane()
-            with self._lock:
-                self._opened.append(lane)
-        return lane
-
-    def opened(self) -> list[Lane]:
-        return list(self._opened)
-
-
 def on_lanes(
     items: list[Item],
     count: int,
@@ -70,8 +49,7 @@ def on_lanes(
     yields each item with its result, or the exception it raised, as it completes. Returns only once
     every started item has ended and every lane is closed (also when the caller stops early: items not
     started yet are then dropped)."""
-    lanes = _LanePerThread(open_lane)
-    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="lane") as pool:
+    with per_thread(open_lane, close_lane) as lanes, ThreadPoolExecutor(count, thread_name_prefix="lane") as pool:
         pending: dict[Future[Result], Item] = {pool.submit(_on_lane, lanes, work, item): item for item in items}
         try:
             while pending:
@@ -86,8 +64,6 @@ def on_lanes(
             for future in pending:
                 future.cancel()
             pool.shutdown(wait=True)
-            for lane in lanes.opened():
-                close_lane(lane)
 
 
 def _on_lane(lanes: Callable[[], Lane], work: Callable[[Lane, Item], Result], item: Item) -> Result:

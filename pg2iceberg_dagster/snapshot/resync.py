@@ -157,6 +157,7 @@ def _copy(
         write=lambda _table, chunk, rows: write_chunk(metadata, io, chunk, rows),
         commit=keep,
         parallelism=config.snapshot.parallelism,
+        committers=1,  # keep() only collects
         min_commit_interval=0.0,  # nothing is committed: every written chunk is kept at once
     ):
         if on_chunk:

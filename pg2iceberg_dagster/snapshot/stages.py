@@ -1,8 +1,11 @@
 """The snapshot's three overlapping stages: read chunks, write their data files, commit them.
 
-Up to ``parallelism`` chunks are read at once, as many are written as data files, and one committer
-commits every chunk of a table written by then in one Iceberg commit (group commit), so neither the
-source connections nor the file writers wait for commits. Commits do not multiply with chunks: while
+Up to ``parallelism`` chunks are read at once, as many are written as data files, and ``committers``
+commit every chunk of a table written by then in one Iceberg commit (group commit), so neither the
+source connections nor the file writers wait for commits. A commit is a chain of waits (its
+manifest, manifest list and metadata file written, its catalog row swapped): on object storage one
+committer made them the pace of a snapshot of many small tables, and commits of several tables fill
+each other's waits. Commits do not multiply with chunks: while
 more chunks of a table are coming, they are ``min_commit_interval`` seconds apart. At most
 ``in_memory`` chunks are read and not yet written. The work is taken from its iterable by a thread of
 its own as the stages go: whatever producing the next chunk costs (creating its table...) overlaps
@@ -51,11 +54,13 @@ class ChunkStages:
         write: WriteChunk,
         commit: CommitChunks,
         parallelism: int,
+        committers: int,
         in_memory: int,
         min_commit_interval: float,
     ) -> None:
         self._read, self._write, self._commit = read, write, commit
         self._parallelism = parallelism
+        self._committers_count = committers
         self._min_commit_interval = min_commit_interval
         self._held = threading.BoundedSemaphore(in_memory)
         self._ready: dict[str, list[WrittenChunk]] = {}
@@ -87,7 +92,9 @@ class ChunkStages:
     def _pools(self) -> Iterator[None]:
         # Inner pools shut down first, so every chunk is handed to a stage still running.
         with ExitStack() as stack:
-            self._committers = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="chunk-commit"))
+            self._committers = stack.enter_context(
+                ThreadPoolExecutor(self._committers_count, thread_name_prefix="chunk-commit")
+            )
             self._writers = stack.enter_context(ThreadPoolExecutor(self._parallelism, thread_name_prefix="chunk-write"))
             self._readers = stack.enter_context(ThreadPoolExecutor(self._parallelism, thread_name_prefix="chunk-read"))
             self._feeder = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="chunk-feed"))
@@ -143,7 +150,7 @@ class ChunkStages:
         return self._committers.submit(self._commit_ready, table)
 
     def _hand_over(self, table: SourceTable, written: WrittenChunk | None) -> None:
-        """Give a written chunk (None: its write failed) to the committer's pile."""
+        """Give a written chunk (None: its write failed) to the committers' pile."""
         with self._ready_changed:
             if written is not None:
                 self._ready.setdefault(table.key, []).append(written)
@@ -174,6 +181,7 @@ def run_chunks(
     write: WriteChunk,
     commit: CommitChunks,
     parallelism: int,
+    committers: int,
     min_commit_interval: float,
 ) -> Iterator[tuple[Chunk, int]]:
     """Run ``work`` through :class:`ChunkStages`, reading with one :class:`ArrowReader` on ``source``
@@ -185,6 +193,7 @@ def run_chunks(
             write=write,
             commit=commit,
             parallelism=parallelism,
+            committers=committers,
             in_memory=CHUNKS_IN_MEMORY_PER_WORKER * parallelism,
             min_commit_interval=min_commit_interval,
         )
