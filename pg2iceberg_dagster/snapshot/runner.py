@@ -69,8 +69,8 @@ ChunkCallback = Callable[[Chunk, int], None]
 MIN_COMMIT_INTERVAL_SECONDS = 1.0
 HOLDER_MAX_SECONDS = 6 * 3600
 # Tables committed at once, each committer on a state connection of its own: enough to fill the
-# waits of the commits' metadata files on object storage (bench.tables --snapshot-only with 30 ms
-# added to each file's creation: 128-147 -> 63-64 ms a table), not one per chunk reader (up to 64).
+# waits of the commits' metadata files on object storage (bench.tables --snapshot-only
+# --file-latency-ms 30: 130-137 -> 63-67 ms a table), not one per chunk reader (up to 64).
 COMMITTERS_AT_MOST = 4
 # How long a run for a table added since waits for the holder of an older snapshot to let go.
 STALE_HOLDER_WAIT_SECONDS = 60.0

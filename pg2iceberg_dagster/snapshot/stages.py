@@ -5,11 +5,11 @@ commit every chunk of a table written by then in one Iceberg commit (group commi
 source connections nor the file writers wait for commits. A commit is a chain of waits (its
 manifest, manifest list and metadata file written, its catalog row swapped): on object storage one
 committer made them the pace of a snapshot of many small tables, and commits of several tables fill
-each other's waits. Commits do not multiply with chunks: while
-more chunks of a table are coming, they are ``min_commit_interval`` seconds apart. At most
-``in_memory`` chunks are read and not yet written. The work is taken from its iterable by a thread of
-its own as the stages go: whatever producing the next chunk costs (creating its table...) overlaps
-with the chunks before it; a table's chunks come one after another.
+each other's waits. Commits do not multiply with chunks: while more chunks of a table are coming,
+they are ``min_commit_interval`` seconds apart. At most ``in_memory`` chunks are read and not yet
+written. The work is taken from its iterable by a thread of its own as the stages go: whatever
+producing the next chunk costs (creating its table...) overlaps with the chunks before it; a
+table's chunks come one after another.
 """
 
 from __future__ import annotations
