@@ -138,7 +138,9 @@ class MirrorSqlCatalog(SqlCatalog):
                 },
             )
         if swapped.rowcount < 1:
-            with contextlib.suppress(OSError):  # nothing names it; a file left behind is only space
+            # Nothing names it: a file left behind is only space (orphan-file maintenance removes it),
+            # and whatever the file IO raises (each store its own errors) must not hide the miss.
+            with contextlib.suppress(Exception):
                 staged.io.delete(staged.metadata_location)
             return None
         return CommitTableResponse(metadata=staged.metadata, metadata_location=staged.metadata_location)
