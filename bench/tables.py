@@ -18,8 +18,8 @@ pipeline config listing every table. Then:
    startup checks of every table), and ``bench.iceberg_floor`` as a child the Iceberg library's own
    cost per table (a table created and one file appended, as many tables, one thread); with
    ``--file-latency-ms`` every Iceberg file the children create waits that long first, as an
-   object store's PUT would (``bench/file_latency``). CPU seconds of the snapshot child (``wait4``) and of the server
-   are reported for both. ``--snapshot-only`` stops here (after a ``verify`` of every table: the
+   object store's PUT would (``bench/file_latency``). CPU seconds of the snapshot child (``wait4``)
+   and of the server are reported for both. ``--snapshot-only`` stops here (after a ``verify`` of every table: the
    bench fails on any difference); ``--profile FILE`` runs the snapshot child under cProfile.
 2. **``run`` under a spread workload.** The CLI ``run`` as a child; a writer commits ``--rate``
    single-row transactions per second, each on a table drawn uniformly at random (3 in 4 insert the

@@ -43,7 +43,8 @@ from .transaction import staged_metadata
 
 
 class MirrorSqlCatalog(SqlCatalog):
-    """``SqlCatalog`` whose commits and loads cost a row lookup, not a read of the table (see module)."""
+    """``SqlCatalog`` whose loads cost a row lookup and whose commits a compare-and-set of the row, not a
+    read of the table (see module)."""
 
     def __init__(self, name: str, **properties: str) -> None:
         super().__init__(name, **properties)
@@ -130,9 +131,7 @@ class MirrorSqlCatalog(SqlCatalog):
             swapped = connection.execute(
                 self._swap,
                 {
-                    "row_catalog": self.name,
-                    "row_namespace": namespace,
-                    "row_name": name,
+                    **self._row(namespace, name),
                     "expected": base.metadata_location,
                     "new_location": staged.metadata_location,
                 },
@@ -184,11 +183,14 @@ class MirrorSqlCatalog(SqlCatalog):
     def _row_key(identifier: str | Identifier) -> tuple[str, str]:
         return Catalog.namespace_to_string(Catalog.namespace_from(identifier)), Catalog.table_name_from(identifier)
 
+    def _row(self, namespace: str, name: str) -> dict[str, str]:
+        """The parameters naming a table's catalog row in the row lookup and the swap."""
+        return {"row_catalog": self.name, "row_namespace": namespace, "row_name": name}
+
     def _metadata_location(self, namespace: str, name: str) -> str | None:
         """The metadata file the table's catalog row names; None without a row."""
         with self.engine.connect() as connection:
-            parameters = {"row_catalog": self.name, "row_namespace": namespace, "row_name": name}
-            found: Any = connection.execute(self._location_query, parameters).first()
+            found: Any = connection.execute(self._location_query, self._row(namespace, name)).first()
         if found is None or not found[0]:
             return None
         return str(found[0])
