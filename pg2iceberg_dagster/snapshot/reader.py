@@ -142,10 +142,23 @@ def select_expressions(source: SourceTable, rule: OutOfRange) -> sql.Composed:
     return sql.SQL(", ").join(expressions)
 
 
+def _storage_type(decoded: pa.DataType) -> pa.DataType:
+    """``decoded`` with every extension type in it (the driver's ``uuid``, also as a list's element)
+    replaced by its storage type: the cast to the Iceberg type starts from the plain values."""
+    if isinstance(decoded, pa.BaseExtensionType):
+        return _storage_type(decoded.storage_type)
+    if pa.types.is_list(decoded):
+        return pa.list_(decoded.value_field.with_type(_storage_type(decoded.value_type)))
+    if pa.types.is_large_list(decoded):
+        return pa.large_list(decoded.value_field.with_type(_storage_type(decoded.value_type)))
+    return decoded
+
+
 def _conform(values: pa.ChunkedArray, target: pa.DataType, column: str) -> pa.ChunkedArray:
     """Cast a decoded column to the Iceberg table's Arrow type, naming the column in any error."""
-    if isinstance(values.type, pa.BaseExtensionType):
-        values = pa.chunked_array([chunk.storage for chunk in values.chunks], type=values.type.storage_type)
+    storage = _storage_type(values.type)
+    if storage != values.type:  # the same buffers, read as their storage type (no copy)
+        values = pa.chunked_array([chunk.view(storage) for chunk in values.chunks], type=storage)
     try:
         if isinstance(target, pa.BaseExtensionType):
             storage = values.cast(target.storage_type)
