@@ -32,6 +32,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import psycopg
@@ -82,6 +83,11 @@ class Run:
     server_cpu: float
     machine_cpu: float
     chunks: int = 0
+
+
+# Which build of the driver decoded: the PyPI wheels of 1.9.0 to 1.13.0 are compiled without
+# optimisation and decode at about twice the CPU of 1.8.0's (docs/performance.md).
+DRIVER = f"adbc-driver-postgresql {version('adbc-driver-postgresql')}"
 
 
 def measured(pg: EmbeddedPostgres, action: Callable[[], int]) -> Run:
@@ -164,7 +170,8 @@ def cost_per_core(report: Report, rows: int, workers: int, run: Run) -> str:
     peers = ", ".join(f"{peer} {figure / 1e3:.0f}k" for peer, figure in PEERS.items())
     return (
         f"taxi, {workers} worker(s): {client / 1e3:.0f}k rows per client CPU-second ({run.client_cpu:.2f} CPU-s, "
-        f"{run.client_cpu / rows * 1e6:.2f} us/row), {machine / 1e3:.0f}k per machine CPU-second (client + "
+        f"{run.client_cpu / rows * 1e6:.2f} us/row, decoding with {DRIVER}), {machine / 1e3:.0f}k per machine "
+        "CPU-second (client + "
         f"server {run.server_cpu:.2f} CPU-s); target {TAXI_TARGET / 1e3:.0f}k per client CPU-second: "
         f"{client / TAXI_TARGET:.2f}; published peers per CPU-second: {peers} ({PEERS_SOURCE})"
     )
@@ -175,7 +182,7 @@ def floor_line(rows: int, workers: int, run: Run, decode: float, encode: float) 
     beyond = run.client_cpu - decode - encode
     return (
         f"taxi, {workers} worker(s), below {TAXI_TARGET / 1e3:.0f}k rows per client CPU-second: the same chunks "
-        f"decoded from binary COPY into Arrow by the ADBC driver alone took {decode:.2f} CPU-s "
+        f"decoded from binary COPY into Arrow by the ADBC driver ({DRIVER}) alone took {decode:.2f} CPU-s "
         f"({decode / rows * 1e6:.2f} us/row) and their Parquet encoding alone (zstd, the tables' writer options) "
         f"{encode:.2f} CPU-s ({encode / rows * 1e6:.2f} us/row): {rows / (decode + encode) / 1e3:.0f}k rows per "
         f"CPU-second with nothing else, the floor on this machine; the snapshot spent "
