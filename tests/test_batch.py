@@ -236,7 +236,7 @@ def test_staged_files_record_each_transactions_commit_lsn(tmp_path: object) -> N
     files = writer.finish()
     assert len(files) == 2
     for staged in files:
-        metadata = pq.read_schema(io.BytesIO(store.get(staged.path))).metadata
+        metadata = pq.ParquetFile(io.BytesIO(store.get(staged.path))).metadata.metadata
         oid = 1 if staged.table_name == "public.t" else 2
         assert metadata[codec.COMMIT_LSNS_METADATA_KEY] == json.dumps(expected[oid]).encode()
 

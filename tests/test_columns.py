@@ -88,7 +88,7 @@ def _files_holding_raw(root: Path) -> list[str]:
         texts = [path.read_bytes().decode("latin-1")]
         if path.suffix == ".parquet":
             parquet = pq.read_table(path)
-            texts.append(str(parquet.to_pylist()) + str(parquet.schema.metadata))
+            texts.append(str(parquet.to_pylist()) + str(pq.ParquetFile(path).metadata.metadata))
         if any(raw in text for raw in RAW for text in texts):
             found.append(str(path))
     return found

@@ -338,9 +338,29 @@ def test_staged_file_schema() -> None:
             ("_data", pa.string()),
         ]
     )
-    assert codec.RELATION_METADATA_KEY in table.schema.metadata
+    # The relation rides in the file's key-value metadata, once: not again inside the Arrow schema.
+    metadata = pq.ParquetFile(io.BytesIO(data)).metadata.metadata
+    assert codec.RELATION_METADATA_KEY in metadata
+    assert not table.schema.metadata or codec.RELATION_METADATA_KEY not in table.schema.metadata
     assert table.column("_op").to_pylist() == ["I"]
     assert table.column("_unchanged_cols").to_pylist() == [None]
+
+
+def test_files_staged_before_the_metadata_moved_still_decode() -> None:
+    """Files staged by earlier versions hold the relation and commit LSNs in their Arrow schema's
+    metadata too: they decode to the same relation and changes."""
+    changes = [
+        change(INSERT, 1, {"id": "1", "name": "a", "big": "x"}),
+        change(UPDATE, 2, {"id": "1", "name": None}, unchanged=["big"]),
+        change(DELETE, 3, {"id": "1"}),
+    ]
+    data = codec.encode(RELATION, changes)
+    relation, table = codec.read_staged(data)
+    assert table.schema.metadata is not None and codec.RELATION_METADATA_KEY in table.schema.metadata
+    earlier = _parquet(table)  # pq.write_table keeps the schema's metadata in the Arrow schema as well
+    assert codec.RELATION_METADATA_KEY in pq.read_table(io.BytesIO(earlier)).schema.metadata
+    assert codec.decode(earlier) == codec.decode(data) == (relation, codec.changes_of(table))
+    assert len(data) < len(earlier)
 
 
 def _parquet(table: pa.Table) -> bytes:

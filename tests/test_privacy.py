@@ -114,7 +114,7 @@ def _file_texts(path: Path) -> list[str]:
     texts = [data.decode("latin-1")]
     if path.suffix == ".parquet":
         parquet = pq.read_table(path)
-        texts.append(str(parquet.to_pylist()) + str(parquet.schema.metadata))
+        texts.append(str(parquet.to_pylist()) + str(pq.ParquetFile(path).metadata.metadata))
     elif path.suffix == ".avro":
         texts.append(_avro_content(data).decode("latin-1"))
     return texts
