@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -391,3 +392,20 @@ def test_decode_rejects_wrong_column_type() -> None:
     )
     with pytest.raises(ValueError, match="not a pg2iceberg staged file"):
         codec.decode(_parquet(pa.Table.from_pylist([], schema=schema)))
+
+
+@pytest.mark.parametrize(
+    "separators", [(", ", ": "), (",", ":"), (",\n ", ": ")], ids=["as written", "compact", "other"]
+)
+def test_commit_lsns_are_found_per_change_whatever_the_maps_layout(separators: tuple[str, str]) -> None:
+    """Each change takes its transaction's commit LSN from the file's map, a transaction the map does
+    not name the fallback; the map as the codec writes it (taken apart by Arrow) and laid out otherwise
+    (through json) read alike."""
+    recorded = {"5000000001": 900, "7": 1200, "42": 77}
+    text = json.dumps(recorded, separators=separators).encode()
+    if separators == (", ", ": "):
+        xids = pa.array([int(xid) for xid in recorded], pa.int64())
+        assert text == codec.commit_lsns_json(xids, pa.array(list(recorded.values()), pa.int64()))
+    schema = pa.schema([("_xid", pa.int64())], metadata={codec.COMMIT_LSNS_METADATA_KEY: text})
+    table = pa.Table.from_pydict({"_xid": [7, 7, 5000000001, 3, 42]}, schema=schema)
+    assert codec.commit_lsns_of(table, fallback=1).to_pylist() == [1200, 1200, 900, 1, 77]
