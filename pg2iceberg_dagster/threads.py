@@ -53,9 +53,19 @@ class PerThread(Generic[Resource]):
         return resource
 
     def opened(self) -> list[Resource]:
-        """Every resource opened so far, whichever thread opened it."""
+        """Every resource opened so far, whichever thread opened it (not those discarded)."""
         with self._lock:
             return list(self._opened)
+
+    def discard(self) -> Resource | None:
+        """Forget this thread's resource (it failed, say) and return it for the caller to close; the
+        thread's next call opens a new one."""
+        resource: Resource | None = getattr(self._local, "resource", None)
+        self._local.resource = None
+        if resource is not None:
+            with self._lock:
+                self._opened.remove(resource)
+        return resource
 
 
 @contextmanager

@@ -38,6 +38,7 @@ from ..iceberg.values import TIME_KINDS, conform_flattened, conform_sql, conform
 from ..source.catalog import PgType, SourceColumn, SourceTable
 from ..source.connection import SESSION_OPTIONS
 from ..source.policy import ColumnMask
+from ..threads import PerThread
 
 # Kinds the driver decodes natively; everything else is selected as text.
 _BINARY_KINDS = {
@@ -219,9 +220,8 @@ class ArrowReader:
     def __init__(self, target: PostgresConnection) -> None:
         self.target = target
         self._template: adbc.Connection | None = None
-        self._connections: list[adbc.Connection] = []
-        self._lock = threading.Lock()
-        self._local = threading.local()
+        self._template_lock = threading.Lock()
+        self._connections = PerThread(self._clone)  # each thread's, kept from read to read
 
     def __enter__(self) -> ArrowReader:
         return self
@@ -229,33 +229,18 @@ class ArrowReader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _connection(self) -> adbc.Connection:
-        """This thread's connection, sharing the database handle (both made on first use)."""
-        connection: adbc.Connection | None = getattr(self._local, "connection", None)
-        if connection is None:
-            with self._lock:
-                if self._template is None:
-                    self._template = adbc.connect(self.target.conninfo(options=SESSION_OPTIONS))
-                connection = self._template.adbc_clone()
-                self._connections.append(connection)
-            self._local.connection = connection
-        return connection
-
-    def _discard_connection(self) -> None:
-        """Drop this thread's connection after an error; the next read opens a new one."""
-        connection: adbc.Connection | None = getattr(self._local, "connection", None)
-        self._local.connection = None
-        if connection is not None:
-            with self._lock:
-                self._connections.remove(connection)
-            with contextlib.suppress(adbc_driver_manager.Error):
-                connection.close()
+    def _clone(self) -> adbc.Connection:
+        """A new connection sharing the database handle (made on first use)."""
+        with self._template_lock:
+            if self._template is None:
+                self._template = adbc.connect(self.target.conninfo(options=SESSION_OPTIONS))
+            return self._template.adbc_clone()
 
     def read(self, query: sql.Composable, snapshot_name: str | None) -> pa.Table:
         """Run ``query`` in a READ ONLY REPEATABLE READ transaction (importing ``snapshot_name`` when
         given) and return its rows as Arrow, decoded by the ADBC driver."""
         try:
-            connection = self._connection()
+            connection = self._connections()
             with connection.cursor() as cursor:
                 # The driver begins a transaction with the first statement: these come first.
                 cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
@@ -268,17 +253,21 @@ class ArrowReader:
             connection.rollback()
             return rows
         except adbc_driver_manager.Error as exc:
-            self._discard_connection()
+            # Dropped after an error; this thread's next read opens a new one.
+            failed = self._connections.discard()
+            if failed is not None:
+                with contextlib.suppress(adbc_driver_manager.Error):
+                    failed.close()
             # libpq's message names the server, never the password; keep only its first line.
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise Pg2IcebergError(f"reading a snapshot chunk from {self.target.describe()} failed: {reason}") from None
 
     def close(self) -> None:
         """Close every connection and the database handle."""
-        with self._lock:
-            for connection in [*self._connections, self._template]:
+        with self._template_lock:
+            for connection in [*self._connections.opened(), self._template]:
                 if connection is not None:
                     with contextlib.suppress(adbc_driver_manager.Error):
                         connection.close()
-            self._connections.clear()
+            self._connections = PerThread(self._clone)
             self._template = None
