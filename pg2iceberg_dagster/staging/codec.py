@@ -152,12 +152,16 @@ def encode_columns(
     )
     sink = io.BytesIO()
     # Dictionaries and statistics only where they pay: a row's JSON and LSN are (nearly) unique, and
-    # building a dictionary for them, then dropping it, cost a quarter of the write.
+    # building a dictionary for them, then dropping it, cost a quarter of the write. The integers climb
+    # (LSN, commit time) or repeat (a transaction's xid): stored as deltas, they take a fraction of the
+    # space of dictionaries or plain values, for less CPU (TPC-B: 0.82 -> 0.57 us and 18.9 -> 13.3
+    # bytes a change beside the metadata, docs/performance.md).
     with pq.ParquetWriter(
         sink,
         STAGING_SCHEMA,
         compression="zstd",
-        use_dictionary=["_op", "_ts", "_xid", "_unchanged_cols"],
+        use_dictionary=["_op", "_unchanged_cols"],
+        column_encoding=dict.fromkeys(("_lsn", "_ts", "_xid"), "DELTA_BINARY_PACKED"),
         write_statistics=["_op", "_lsn", "_ts", "_xid"],
     ) as writer:
         writer.write_table(table)
