@@ -289,11 +289,14 @@ class _Decoder:
         for _ in range(width):
             kind = batch.byte_at(position)
             text = pc.equal(kind, _TEXT)
-            if not pc.all(pc.or_(text, pc.or_(pc.equal(kind, _NULL), pc.equal(kind, _TOAST)))).as_py():
+            if pc.all(text).as_py():  # the common case: a value in every row, no choosing per row
+                start = pc.add(position, 5)
+                end = pc.add(start, batch.int_at(pc.add(position, 1), 4))
+            elif pc.all(pc.or_(text, pc.or_(pc.equal(kind, _NULL), pc.equal(kind, _TOAST)))).as_py():
+                start = pc.add(position, pc.if_else(text, 5, 1))
+                end = pc.add(start, pc.if_else(text, batch.int_at(pc.add(position, 1), 4), 0))
+            else:
                 return None
-            length = pc.if_else(text, batch.int_at(pc.add(position, 1), 4), 0)
-            start = pc.add(position, pc.if_else(text, 5, 1))
-            end = pc.add(start, length)
             if not pc.all(pc.less_equal(end, limit)).as_py():
                 return None
             columns.append((kind, start, end))
