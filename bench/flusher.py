@@ -9,9 +9,10 @@ TPC-B load (``pgbench -n -c 2 -t N``) with nobody consuming, so the WAL accumula
 
 1. the count: ``pg_logical_slot_peek_binary_changes`` on one extra slot up to the end of the load gives
    the number of row changes (Insert, Update and Delete messages); every rate uses that number. It is
-   also timed, with the CPU of the backend that runs it: the server's decoding of the same WAL alone (no
-   wire, no client), a limit that does not depend on how much CPU a client's walsender spends (the
-   target: the flusher at >= 0.35 of its rate);
+   also timed (three times, the median: one peek's time drifts with the machine's other load), with the
+   CPU of the backend that runs it: the server's decoding of the same WAL alone (no wire, no client), a
+   limit that does not depend on how much CPU a client's walsender spends (the target: the flusher at
+   >= 0.35 of its rate);
 2. the limit: ``pg_recvlogical --start`` (pgoutput, same publication) drains another extra slot to
    ``--endpos`` into /dev/null: the walsender's decoding plus the wire, with nothing done client side;
    it runs once before ours and once after, on two slots, and their mean time is the limit (the
@@ -29,6 +30,7 @@ of the client, each also per change, and the machine's busy share, so a shortfal
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import threading
 import time
@@ -58,6 +60,8 @@ TABLES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_
 LIMIT_SLOTS = ("bench_recvlogical_before", "bench_recvlogical_after")
 BINARY_SLOT = "bench_recvlogical_binary"
 COUNT_SLOT = "bench_count"
+# The server's decoding alone is timed this many times; the median is the figure.
+DECODING_RUNS = 3
 TARGET_VS_DECODING = 0.35
 CLIENTS = 2
 
@@ -167,24 +171,29 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
     return config, end_lsn, facts
 
 
-def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, float, float]:
+def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, list[float], list[float]]:
     """(row changes, pgoutput bytes, seconds, CPU seconds of the backend) the publication yields up to
-    ``end_lsn``, decoded by the server alone in one SQL call."""
+    ``end_lsn``, decoded by the server alone in one SQL call; timed :data:`DECODING_RUNS` times (a peek
+    consumes nothing), since one run's time drifts with the machine's other load."""
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
         pid = conn.info.backend_pid
-        cpu = process_cpu_seconds(pid)
-        started = time.perf_counter()
-        row = conn.execute(
-            "SELECT count(*) FILTER (WHERE get_byte(data, 0) IN (73, 85, 68)), coalesce(sum(octet_length(data)), 0) "
-            "FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
-            "'proto_version', '1', 'publication_names', %s)",
-            (COUNT_SLOT, format_lsn(end_lsn), publication),
-        ).fetchone()
-        seconds = time.perf_counter() - started
-        cpu = process_cpu_seconds(pid) - cpu
+        runs: list[tuple[int, int, float, float]] = []
+        for _ in range(DECODING_RUNS):
+            cpu = process_cpu_seconds(pid)
+            started = time.perf_counter()
+            row = conn.execute(
+                "SELECT count(*) FILTER (WHERE get_byte(data, 0) IN (73, 85, 68)), "
+                "coalesce(sum(octet_length(data)), 0) "
+                "FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
+                "'proto_version', '1', 'publication_names', %s)",
+                (COUNT_SLOT, format_lsn(end_lsn), publication),
+            ).fetchone()
+            assert row is not None
+            runs.append((int(row[0]), int(row[1]), time.perf_counter() - started, process_cpu_seconds(pid) - cpu))
         conn.execute("SELECT pg_drop_replication_slot(%s)", (COUNT_SLOT,))
-    assert row is not None
-    return int(row[0]), int(row[1]), seconds, cpu
+    if len({(changes, size) for changes, size, _, _ in runs}) != 1:
+        raise RuntimeError(f"the server decoded different changes each time: {runs}")
+    return runs[0][0], runs[0][1], [run[2] for run in runs], [run[3] for run in runs]
 
 
 def run_pg_recvlogical(pg: Any, slot: str, publication: str, end_lsn: int, binary: bool = False) -> Phase:
@@ -221,14 +230,17 @@ def main() -> None:
     with work_dir(args.dir) as root, bench_cluster(root, {"max_wal_size": "8GB"}) as pg:
         config, end_lsn, facts = prepare(pg, root, args.scale, args.transactions)
         publication = config.replication.publication
-        changes, wire_bytes, decoding_seconds, decoding_cpu = count_changes(pg, publication, end_lsn)
+        changes, wire_bytes, decoding_runs, decoding_cpus = count_changes(pg, publication, end_lsn)
+        decoding_seconds, decoding_cpu = statistics.median(decoding_runs), statistics.median(decoding_cpus)
+        facts["server_decoding_alone_seconds"] = [round(seconds, 3) for seconds in decoding_runs]
         report.parameters.update(facts, changes=changes, pgoutput_bytes=wire_bytes, end_lsn=format_lsn(end_lsn))
 
         def us(seconds: float) -> float:
             return round(seconds / changes * 1e6, 2)
 
         report.add(
-            "server decoding alone (peek; its backend's CPU)", changes, round(decoding_seconds, 2),
+            f"server decoding alone (peek, median of {DECODING_RUNS}; its backend's CPU)", changes,
+            round(decoding_seconds, 2),
             round(changes / decoding_seconds), "-", wire_bytes, round(wire_bytes / decoding_seconds / 1e6, 1),
             "-", "-", round(decoding_cpu, 2), us(decoding_cpu), "-", "-",
         )  # fmt: skip
