@@ -90,6 +90,7 @@ class _RunState:
     pending_end_lsn: int | None = None  # end of the last commit staged but not registered and acked
     last_idle_ack: float = 0.0
     stopping: bool = False  # a commit reached the deadline or target: flush it and return
+    finishing: bool = False  # stop was requested or the time budget spent when the batch came: its next commit ends
 
 
 def _count_flush(stats: FlushStats, files: list[StagedFile]) -> None:
@@ -200,6 +201,9 @@ class Flusher:
             if not messages:
                 self._on_silence(run)
                 continue
+            # Once per batch, not per commit: a batch is read in milliseconds, and per commit, this and
+            # the flush's bounds cost 1.2 us (0.3 us a TPC-B change, a tenth of what staging does not take).
+            run.finishing = self._finished(run, time.monotonic())
             self._consume(run, messages)
             run.writer.bound()  # the open transaction spills past txn_memory_bytes
 
@@ -230,8 +234,9 @@ class Flusher:
                 self._describe(run, message)
 
     def _commit(self, run: _RunState, message: bytes) -> None:
-        """End the open transaction: stage it (unless a run before this one registered it already), then
-        flush if due, or mark the run as stopping if this commit reaches its deadline or target."""
+        """End the open transaction: stage it (unless a run before this one registered it already), and
+        mark the run as stopping if this commit reaches its deadline or target. A flush that is due
+        comes after the batch (:meth:`_stream`)."""
         run.in_transaction = False
         end_lsn = pgoutput.commit_end_lsn(message, XLOG_HEADER)
         if end_lsn <= run.stats.flushed_lsn:
@@ -240,11 +245,8 @@ class Flusher:
         run.writer.commit(run.commit_ts, run.xid, end_lsn)
         run.stats.transactions += 1
         run.pending_end_lsn = end_lsn
-        now = time.monotonic()
-        if self._finished(run, now) or (run.target is not None and end_lsn >= run.target):
+        if run.finishing or (run.target is not None and end_lsn >= run.target):
             run.stopping = True
-        elif self._flush_due(run, now):
-            self._flush(run)
 
     def _describe(self, run: _RunState, message: bytes) -> None:
         """Handle a message other than a row change, Begin or Commit: a Relation describes a table's
