@@ -121,14 +121,12 @@ class StagedWriter:
         return self._base + len(self._ends) + (self._spill.count if self._spill else 0)
 
     @property
-    def rows(self) -> int:
-        """Committed row messages not registered yet (for the ``max_rows`` flush bound)."""
-        return self._committed + self._uploaded_rows
-
-    @property
-    def bytes(self) -> int:
-        """Their size (for the ``max_bytes`` flush bound)."""
-        return self._committed_end() + self._uploaded_bytes
+    def full(self) -> bool:
+        """The committed row messages not registered yet reached ``max_rows`` or ``max_bytes``: flush."""
+        return (
+            self._committed + self._uploaded_rows >= self._max_rows
+            or self._committed_end() + self._uploaded_bytes >= self._max_bytes
+        )
 
     @property
     def pending(self) -> tuple[bytearray, list[int]]:
