@@ -172,9 +172,10 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
 
 
 def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, list[float], list[float]]:
-    """(row changes, pgoutput bytes, seconds, CPU seconds of the backend) the publication yields up to
-    ``end_lsn``, decoded by the server alone in one SQL call; timed :data:`DECODING_RUNS` times (a peek
-    consumes nothing), since one run's time drifts with the machine's other load."""
+    """(row changes, pgoutput bytes, each run's seconds, each run's CPU seconds of the backend) the
+    publication yields up to ``end_lsn``, decoded by the server alone in one SQL call; run
+    :data:`DECODING_RUNS` times (a peek consumes nothing), since one run's time drifts with the
+    machine's other load."""
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
         pid = conn.info.backend_pid
         runs: list[tuple[int, int, float, float]] = []
