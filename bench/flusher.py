@@ -9,10 +9,11 @@ TPC-B load (``pgbench -n -c 2 -t N``) with nobody consuming, so the WAL accumula
 
 1. the count: ``pg_logical_slot_peek_binary_changes`` on one extra slot up to the end of the load gives
    the number of row changes (Insert, Update and Delete messages); every rate uses that number. It is
-   also timed (three times, the median: one peek's time drifts with the machine's other load), with the
-   CPU of the backend that runs it: the server's decoding of the same WAL alone (no wire, no client), a
-   limit that does not depend on how much CPU a client's walsender spends (the target: the flusher at
-   >= 0.35 of its rate);
+   also timed, with the CPU of the backend that runs it: the server's decoding of the same WAL alone (no
+   wire, no client), a limit that does not depend on how much CPU a client's walsender spends (the
+   target: the flusher at >= 0.35 of its rate). One peek's time drifts with the machine's speed, so it
+   runs three times before ours and three times after (a peek consumes nothing), and the median of the
+   six is the figure;
 2. the limit: ``pg_recvlogical --start`` (pgoutput, same publication) drains another extra slot to
    ``--endpos`` into /dev/null: the walsender's decoding plus the wire, with nothing done client side;
    it runs once before ours and once after, on two slots, and their mean time is the limit (the
@@ -60,7 +61,8 @@ TABLES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_
 LIMIT_SLOTS = ("bench_recvlogical_before", "bench_recvlogical_after")
 BINARY_SLOT = "bench_recvlogical_binary"
 COUNT_SLOT = "bench_count"
-# The server's decoding alone is timed this many times; the median is the figure.
+# The server's decoding alone is timed this many times before the flusher and as many after; the
+# median of all is the figure.
 DECODING_RUNS = 3
 TARGET_VS_DECODING = 0.35
 CLIENTS = 2
@@ -171,11 +173,11 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
     return config, end_lsn, facts
 
 
-def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, list[float], list[float]]:
+def count_changes(pg: Any, publication: str, end_lsn: int, drop: bool) -> tuple[int, int, list[float], list[float]]:
     """(row changes, pgoutput bytes, each run's seconds, each run's CPU seconds of the backend) the
     publication yields up to ``end_lsn``, decoded by the server alone in one SQL call; run
     :data:`DECODING_RUNS` times (a peek consumes nothing), since one run's time drifts with the
-    machine's other load."""
+    machine's other load. ``drop``: the counting slot is dropped after (the last round)."""
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
         pid = conn.info.backend_pid
         runs: list[tuple[int, int, float, float]] = []
@@ -191,7 +193,8 @@ def count_changes(pg: Any, publication: str, end_lsn: int) -> tuple[int, int, li
             ).fetchone()
             assert row is not None
             runs.append((int(row[0]), int(row[1]), time.perf_counter() - started, process_cpu_seconds(pid) - cpu))
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (COUNT_SLOT,))
+        if drop:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (COUNT_SLOT,))
     if len({(changes, size) for changes, size, _, _ in runs}) != 1:
         raise RuntimeError(f"the server decoded different changes each time: {runs}")
     return runs[0][0], runs[0][1], [run[2] for run in runs], [run[3] for run in runs]
@@ -231,26 +234,30 @@ def main() -> None:
     with work_dir(args.dir) as root, bench_cluster(root, {"max_wal_size": "8GB"}) as pg:
         config, end_lsn, facts = prepare(pg, root, args.scale, args.transactions)
         publication = config.replication.publication
-        changes, wire_bytes, decoding_runs, decoding_cpus = count_changes(pg, publication, end_lsn)
-        decoding_seconds, decoding_cpu = statistics.median(decoding_runs), statistics.median(decoding_cpus)
-        facts["server_decoding_alone_seconds"] = [round(seconds, 3) for seconds in decoding_runs]
+        changes, wire_bytes, decoding_runs, decoding_cpus = count_changes(pg, publication, end_lsn, drop=False)
         report.parameters.update(facts, changes=changes, pgoutput_bytes=wire_bytes, end_lsn=format_lsn(end_lsn))
 
         def us(seconds: float) -> float:
             return round(seconds / changes * 1e6, 2)
 
-        report.add(
-            f"server decoding alone (peek, median of {DECODING_RUNS}; its backend's CPU)", changes,
-            round(decoding_seconds, 2),
-            round(changes / decoding_seconds), "-", wire_bytes, round(wire_bytes / decoding_seconds / 1e6, 1),
-            "-", "-", round(decoding_cpu, 2), us(decoding_cpu), "-", "-",
-        )  # fmt: skip
         limits = [run_pg_recvlogical(pg, LIMIT_SLOTS[0], publication, end_lsn)]
         with Pipeline(config) as pipeline:
             pipeline.validate()  # startup checks are not part of the throughput
             with Phase(pg.conninfo(SOURCE_DB), config.replication.slot) as ours:
                 stats = pipeline.stream(until_caught_up=True)
         limits.append(run_pg_recvlogical(pg, LIMIT_SLOTS[1], publication, end_lsn))
+        *after, after_runs, after_cpus = count_changes(pg, publication, end_lsn, drop=True)
+        if after != [changes, wire_bytes]:
+            raise RuntimeError(f"the server decoded {after} after the flusher, {[changes, wire_bytes]} before")
+        decoding_runs, decoding_cpus = decoding_runs + after_runs, decoding_cpus + after_cpus
+        decoding_seconds, decoding_cpu = statistics.median(decoding_runs), statistics.median(decoding_cpus)
+        report.parameters["server_decoding_alone_seconds"] = [round(seconds, 3) for seconds in decoding_runs]
+        report.add(
+            f"server decoding alone (peek, median of {len(decoding_runs)} before and after ours; its backend's CPU)",
+            changes, round(decoding_seconds, 2),
+            round(changes / decoding_seconds), "-", wire_bytes, round(wire_bytes / decoding_seconds / 1e6, 1),
+            "-", "-", round(decoding_cpu, 2), us(decoding_cpu), "-", "-",
+        )  # fmt: skip
         binary = run_pg_recvlogical(pg, BINARY_SLOT, publication, end_lsn, binary=True)
         if stats.changes != changes:
             raise RuntimeError(f"the flusher staged {stats.changes} changes, the server decoded {changes}")
