@@ -86,7 +86,7 @@ class Run:
 
 
 # Which build of the driver decoded: the PyPI wheels of 1.9.0 to 1.13.0 are compiled without
-# optimisation and decode at about twice the CPU of 1.8.0's (docs/performance.md).
+# optimisation and decode at about twice the CPU of 1.8.0's (docs/performance-history.md).
 DRIVER = f"adbc-driver-postgresql {version('adbc-driver-postgresql')}"
 
 

@@ -155,7 +155,7 @@ def encode_columns(
     # building a dictionary for them, then dropping it, cost a quarter of the write. The integers climb
     # (LSN, commit time) or repeat (a transaction's xid): stored as deltas, they take a fraction of the
     # space of dictionaries or plain values, for less CPU (TPC-B: 0.82 -> 0.57 us and 18.9 -> 13.3
-    # bytes a change beside the metadata, docs/performance.md).
+    # bytes a change beside the metadata, docs/performance-history.md).
     with pq.ParquetWriter(
         sink,
         STAGING_SCHEMA,
