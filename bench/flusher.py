@@ -246,9 +246,12 @@ def main() -> None:
             with Phase(pg.conninfo(SOURCE_DB), config.replication.slot) as ours:
                 stats = pipeline.stream(until_caught_up=True)
         limits.append(run_pg_recvlogical(pg, LIMIT_SLOTS[1], publication, end_lsn))
-        *after, after_runs, after_cpus = count_changes(pg, publication, end_lsn, drop=True)
-        if after != [changes, wire_bytes]:
-            raise RuntimeError(f"the server decoded {after} after the flusher, {[changes, wire_bytes]} before")
+        after_changes, after_bytes, after_runs, after_cpus = count_changes(pg, publication, end_lsn, drop=True)
+        if (after_changes, after_bytes) != (changes, wire_bytes):
+            raise RuntimeError(
+                f"the server decoded {after_changes} changes ({after_bytes} bytes) after the flusher, "
+                f"{changes} ({wire_bytes} bytes) before"
+            )
         decoding_runs, decoding_cpus = decoding_runs + after_runs, decoding_cpus + after_cpus
         decoding_seconds, decoding_cpu = statistics.median(decoding_runs), statistics.median(decoding_cpus)
         report.parameters["server_decoding_alone_seconds"] = [round(seconds, 3) for seconds in decoding_runs]
