@@ -20,7 +20,13 @@ TPC-B load (``pgbench -n -c 2 -t N``) with nobody consuming, so the WAL accumula
    machine's other load drifts; bracketing the flusher run compares like with like);
 3. ours: ``Pipeline.stream(until_caught_up=True)`` drains our slot: decode, buffer, Parquet, file://
    staging, registration in the coordination tables, acknowledgement;
-4. pg_recvlogical once more, on a third slot, with pgoutput's ``binary`` option: not a limit, only what
+4. the stream alone: the flusher's own receive path (``ReplicationStream.read_batch``) drains two more
+   slots to the end, one just before ours and one just after, counting the row messages and dropping
+   everything: what the walsender and libpq cost with nothing done client side, the floor of any
+   flusher on this receive path. The ``why:`` line compares it with the target: when the stream alone
+   stays under 0.35 of the server's decoding, the walsender (its ``send()`` per message and its check
+   for replies per WAL record, which the peek does not make) bounds every client on this machine;
+5. pg_recvlogical once more, on a third slot, with pgoutput's ``binary`` option: not a limit, only what
    binary tuple data would save the walsender (the ``why:`` line says why the flusher stays on text).
 
 Besides the rates it samples the CPU seconds of the walsender (from /proc/PID/stat while it lives) and
@@ -40,8 +46,10 @@ from typing import Any
 
 import psycopg
 
+from pg2iceberg_dagster.config import PipelineConfig
 from pg2iceberg_dagster.pipeline import Pipeline
 from pg2iceberg_dagster.source.lsn import format_lsn, parse_lsn
+from pg2iceberg_dagster.source.replication import XLOG_HEADER, ReplicationStream
 
 from .common import (
     SOURCE_DB,
@@ -59,6 +67,7 @@ from .common import (
 
 TABLES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_tellers", "public.pgbench_history"]
 LIMIT_SLOTS = ("bench_recvlogical_before", "bench_recvlogical_after")
+STREAM_SLOTS = ("bench_stream_before", "bench_stream_after")
 BINARY_SLOT = "bench_recvlogical_binary"
 COUNT_SLOT = "bench_count"
 # The server's decoding alone is timed this many times before the flusher and as many after; the
@@ -66,6 +75,8 @@ COUNT_SLOT = "bench_count"
 DECODING_RUNS = 3
 TARGET_VS_DECODING = 0.35
 CLIENTS = 2
+# Insert, Update and Delete: the messages count_changes counts as changes.
+ROW_TAGS = frozenset(b"IUD")
 
 
 class WalsenderCpu:
@@ -150,7 +161,7 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
         seconds, _ = timed(pipeline.snapshot)
     facts["snapshot_seconds"] = round(seconds, 1)
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
-        for slot in (*LIMIT_SLOTS, BINARY_SLOT, COUNT_SLOT):
+        for slot in (*LIMIT_SLOTS, *STREAM_SLOTS, BINARY_SLOT, COUNT_SLOT):
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     per_client = max(1, transactions // CLIENTS)
     seconds, _ = timed(lambda: pgbench(pg, "-n", "-c", str(CLIENTS), "-j", str(CLIENTS), "-t", str(per_client)))
@@ -217,6 +228,30 @@ def run_pg_recvlogical(pg: Any, slot: str, publication: str, end_lsn: int, binar
     return phase
 
 
+def run_stream_alone(pg: Any, config: PipelineConfig, slot: str, end_lsn: int, changes: int) -> Phase:
+    """Drain ``slot`` to ``end_lsn`` through the flusher's receive path, row messages counted (there must
+    be ``changes``) and everything dropped."""
+    with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    assert row is not None
+    received = 0
+    stream = ReplicationStream(config.source, slot, config.replication.publication, parse_lsn(row[0]))
+    with Phase(pg.conninfo(SOURCE_DB), slot) as phase, stream:
+        while True:
+            batch = stream.read_batch(0.05)
+            received += sum(1 for message in batch if message[XLOG_HEADER] in ROW_TAGS)
+            if batch:
+                continue
+            if stream.server_wal_end >= end_lsn:  # a keepalive sent after every message before it
+                break
+            stream.request_keepalive()
+    if received != changes:
+        raise RuntimeError(f"the stream alone received {received} changes, the server decoded {changes}")
+    return phase
+
+
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--scale", type=int, default=10, help="pgbench scale factor (100,000 accounts each)")
@@ -241,10 +276,12 @@ def main() -> None:
             return round(seconds / changes * 1e6, 2)
 
         limits = [run_pg_recvlogical(pg, LIMIT_SLOTS[0], publication, end_lsn)]
+        streams = [run_stream_alone(pg, config, STREAM_SLOTS[0], end_lsn, changes)]
         with Pipeline(config) as pipeline:
             pipeline.validate()  # startup checks are not part of the throughput
             with Phase(pg.conninfo(SOURCE_DB), config.replication.slot) as ours:
                 stats = pipeline.stream(until_caught_up=True)
+        streams.append(run_stream_alone(pg, config, STREAM_SLOTS[1], end_lsn, changes))
         limits.append(run_pg_recvlogical(pg, LIMIT_SLOTS[1], publication, end_lsn))
         after_changes, after_bytes, after_runs, after_cpus = count_changes(pg, publication, end_lsn, drop=True)
         if (after_changes, after_bytes) != (changes, wire_bytes):
@@ -264,47 +301,55 @@ def main() -> None:
         binary = run_pg_recvlogical(pg, BINARY_SLOT, publication, end_lsn, binary=True)
         if stats.changes != changes:
             raise RuntimeError(f"the flusher staged {stats.changes} changes, the server decoded {changes}")
+
+        def add_run(name: str, phase: Phase, client_cpu: float, files: Any = "-", size: int = wire_bytes) -> None:
+            report.add(
+                name, changes, round(phase.seconds, 2), round(changes / phase.seconds), files, size,
+                round(size / phase.seconds / 1e6, 1), round(client_cpu, 2), us(client_cpu),
+                round(phase.walsender.seconds, 2), us(phase.walsender.seconds), round(phase.others_cpu, 2),
+                f"{phase.busy_share:.0%}",
+            )  # fmt: skip
+
         names = ("pg_recvlogical (before)", "pg_recvlogical (after)", "pg_recvlogical, binary (not a limit)")
         for name, limit in zip(names, [*limits, binary], strict=True):
-            report.add(
-                name, changes, round(limit.seconds, 2), round(changes / limit.seconds), "-", wire_bytes,
-                round(wire_bytes / limit.seconds / 1e6, 1), round(limit.child_cpu, 2), us(limit.child_cpu),
-                round(limit.walsender.seconds, 2), us(limit.walsender.seconds), round(limit.others_cpu, 2),
-                f"{limit.busy_share:.0%}",
-            )  # fmt: skip
-        report.add(
-            "flusher", changes, round(ours.seconds, 2), round(changes / ours.seconds), stats.files, stats.bytes,
-            round(stats.bytes / ours.seconds / 1e6, 1), round(ours.client_cpu, 2), us(ours.client_cpu),
-            round(ours.walsender.seconds, 2), us(ours.walsender.seconds), round(ours.others_cpu, 2),
-            f"{ours.busy_share:.0%}",
-        )  # fmt: skip
+            add_run(name, limit, limit.child_cpu)
+        stream_names = ("stream alone, the flusher's receive path (before)", "stream alone (after)")
+        for name, stream in zip(stream_names, streams, strict=True):
+            add_run(name, stream, stream.client_cpu)
+        add_run("flusher", ours, ours.client_cpu, stats.files, stats.bytes)
     limit_seconds = sum(limit.seconds for limit in limits) / len(limits)
     # Same change count: the ratio of rates is the inverse ratio of the times.
     ratio = limit_seconds / ours.seconds
     report.ratio("flusher_vs_pg_recvlogical", ratio, 0.8)
     # The server decodes for us as it does for the peek, so this is how close to the decoder we get.
     report.ratio("flusher_vs_server_decoding", decoding_seconds / ours.seconds, TARGET_VS_DECODING)
-    breakdown = cpu_breakdown(limits, binary, ours, stats.stage_seconds, changes)
+    # No targets: what the receive path alone reaches, and how much of it the staging leaves.
+    stream_seconds = statistics.mean(stream.seconds for stream in streams)
+    report.ratio("stream_alone_vs_server_decoding", decoding_seconds / stream_seconds)
+    report.ratio("flusher_vs_stream_alone", stream_seconds / ours.seconds)
+    breakdown = cpu_breakdown(limits, binary, streams, ours, stats.stage_seconds, changes)
     breakdown["server_decoding_alone_wall"] = us(decoding_seconds)
     breakdown["server_decoding_alone_cpu"] = us(decoding_cpu)
     report.parameters["cpu_us_per_change"] = breakdown
-    report.parameters["why"] = explain(breakdown, ours, ratio)
+    report.parameters["why"] = explain(breakdown, ours, ratio, report.ratios)
     report.emit(args.json)
     print(f"why: {report.parameters['why']}")
 
 
 def cpu_breakdown(
-    limits: list[Phase], binary: Phase, ours: Phase, stage_seconds: float, changes: int
+    limits: list[Phase], binary: Phase, streams: list[Phase], ours: Phase, stage_seconds: float, changes: int
 ) -> dict[str, float]:
-    """CPU microseconds per change of each process in each run (the limit's: the mean of its runs)."""
+    """CPU microseconds per change of each process in each run (a limit's: the mean of its runs)."""
 
     def per_change(seconds: float) -> float:
         return round(seconds / changes * 1e6, 2)
 
     return {
-        "walsender_for_pg_recvlogical": per_change(sum(p.walsender.seconds for p in limits) / len(limits)),
+        "walsender_for_pg_recvlogical": per_change(statistics.mean(p.walsender.seconds for p in limits)),
         "walsender_for_pg_recvlogical_binary": per_change(binary.walsender.seconds),
-        "pg_recvlogical": per_change(sum(p.child_cpu for p in limits) / len(limits)),
+        "pg_recvlogical": per_change(statistics.mean(p.child_cpu for p in limits)),
+        "walsender_for_stream_alone": per_change(statistics.mean(p.walsender.seconds for p in streams)),
+        "stream_alone": per_change(statistics.mean(p.client_cpu for p in streams)),
         "walsender_for_flusher": per_change(ours.walsender.seconds),
         "flusher": per_change(ours.client_cpu),
         "flusher_staging": per_change(stage_seconds),
@@ -312,16 +357,24 @@ def cpu_breakdown(
     }
 
 
-def explain(cpu: dict[str, float], ours: Phase, ratio: float) -> str:
+def explain(cpu: dict[str, float], ours: Phase, ratio: float, ratios: dict[str, float]) -> str:
     """Which process bounds the flusher run, from the CPU each one spent per change; the ceiling of the
-    ratio to the server's decoding alone that those CPU costs leave on this machine; why binary
-    pgoutput is not used."""
+    ratio to the server's decoding alone that those CPU costs leave on this machine, and the one the
+    stream alone measured; why binary pgoutput is not used."""
     bound = "the flusher" if cpu["flusher"] > cpu["walsender_for_flusher"] else "the walsender"
     cores = os.cpu_count() or 1
     walsender, client, decoding = cpu["walsender_for_flusher"], cpu["flusher"], cpu["server_decoding_alone_cpu"]
     # Server and client work in parallel: a run takes at least the busier one's CPU time, and at least
     # both together spread over every core. On a quiet machine the peek takes its backend's CPU time.
     floor = max(walsender, client, (walsender + client) / cores)
+    if ratios["stream_alone_vs_server_decoding"] < TARGET_VS_DECODING:
+        stream_verdict = (
+            "under the target with nothing staged, so in this run the walsender (a send() per message, and per WAL "
+            "record a check for replies from the client, which the peek makes neither of) held every client of "
+            "this receive path under it: the floor on this machine"
+        )
+    else:
+        stream_verdict = "above the target, so the target was within reach in this run"
     text = (
         f"per change, the server decoding alone took {cpu['server_decoding_alone_wall']} us "
         f"({decoding} us of its backend's CPU); the walsender spent {cpu['walsender_for_pg_recvlogical']} us of "
@@ -334,7 +387,11 @@ def explain(cpu: dict[str, float], ours: Phase, ratio: float) -> str:
         f"so {bound} bounds the run: at best max({walsender}, {client}, ({walsender} + {client}) / {cores}) = "
         f"{floor:.2f} us a change, a ratio to the server's decoding alone of at most {decoding / floor:.2f}; the "
         f"walsender alone, with a client that cost nothing, caps it at {decoding / walsender:.2f} (target "
-        f"{TARGET_VS_DECODING}). Binary pgoutput is not used: the walsender spent "
+        f"{TARGET_VS_DECODING}). The stream alone (the flusher's receive path, nothing staged, run just before "
+        f"and just after it) reached {ratios['stream_alone_vs_server_decoding']:.3f} of the server's decoding, "
+        f"its walsender spending {cpu['walsender_for_stream_alone']} us a change and this process "
+        f"{cpu['stream_alone']} us: {stream_verdict}; the flusher reached {ratios['flusher_vs_stream_alone']:.3f} "
+        "of the stream alone. Binary pgoutput is not used: the walsender spent "
         f"{cpu['walsender_for_pg_recvlogical_binary']} us a change with it (pg_recvlogical, against "
         f"{cpu['walsender_for_pg_recvlogical']} in text), and the staged log holds each value's PostgreSQL text "
         "form, so the client would have to re-create the output function of every mapped type exactly (numeric, "
