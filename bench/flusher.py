@@ -175,13 +175,17 @@ def prepare(pg: Any, root: Path, scale: int, transactions: int) -> tuple[Any, in
         # for the WAL writer to flush the end of the load before anyone counts or drains it.
         while conn.execute("SELECT pg_current_wal_flush_lsn() < %s::pg_lsn", (format_lsn(end_lsn),)).fetchone()[0]:
             time.sleep(0.05)
-        slot_row = conn.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-            (config.replication.slot,),
-        ).fetchone()
-    assert slot_row is not None
-    facts["wal_bytes"] = end_lsn - parse_lsn(slot_row[0])
+        facts["wal_bytes"] = end_lsn - confirmed_lsn(conn, config.replication.slot)
     return config, end_lsn, facts
+
+
+def confirmed_lsn(conn: psycopg.Connection, slot: str) -> int:
+    """Where ``slot`` stands: its ``confirmed_flush_lsn``, the first change it will send."""
+    row = conn.execute(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    ).fetchone()
+    assert row is not None, f"no slot {slot}"
+    return parse_lsn(row[0])
 
 
 def count_changes(pg: Any, publication: str, end_lsn: int, drop: bool) -> tuple[int, int, list[float], list[float]]:
@@ -232,12 +236,9 @@ def run_stream_alone(pg: Any, config: PipelineConfig, slot: str, end_lsn: int, c
     """Drain ``slot`` to ``end_lsn`` through the flusher's receive path, row messages counted (there must
     be ``changes``) and everything dropped."""
     with psycopg.connect(pg.conninfo(SOURCE_DB), autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-        ).fetchone()
-    assert row is not None
+        start_lsn = confirmed_lsn(conn, slot)
     received = 0
-    stream = ReplicationStream(config.source, slot, config.replication.publication, parse_lsn(row[0]))
+    stream = ReplicationStream(config.source, slot, config.replication.publication, start_lsn)
     with Phase(pg.conninfo(SOURCE_DB), slot) as phase, stream:
         while True:
             batch = stream.read_batch(0.05)
@@ -317,7 +318,7 @@ def main() -> None:
         for name, stream in zip(stream_names, streams, strict=True):
             add_run(name, stream, stream.client_cpu)
         add_run("flusher", ours, ours.client_cpu, stats.files, stats.bytes)
-    limit_seconds = sum(limit.seconds for limit in limits) / len(limits)
+    limit_seconds = statistics.mean(limit.seconds for limit in limits)
     # Same change count: the ratio of rates is the inverse ratio of the times.
     ratio = limit_seconds / ours.seconds
     report.ratio("flusher_vs_pg_recvlogical", ratio, 0.8)
